@@ -1,0 +1,11 @@
+"""ase_shard: one ASE system, many MPI ranks, any torch potential."""
+
+from ase_shard.comm import init_mpi
+
+init_mpi()  # before ASE fixes ase.parallel.world
+
+from ase_shard.calculator import ShardedCalculator  # noqa: E402
+from ase_shard.graph import LocalGraph, ShardModel  # noqa: E402
+
+__all__ = ["ShardedCalculator", "LocalGraph", "ShardModel"]
+__version__ = "0.1.0"

@@ -1,0 +1,284 @@
+"""ShardedCalculator: an ASE calculator that spreads one system over MPI ranks.
+
+``calculate`` follows the data path of the design: agree on the system,
+decide whether to rebuild, partition and find ghosts (rank 0), scatter rows,
+evaluate each rank's block, and gather/broadcast the results.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+from ase import Atoms
+from ase.calculators.calculator import Calculator, all_changes
+
+from ase_shard.block import RESULT_COLUMNS, LocalBlock
+from ase_shard.comm import Comm, describe, rebuild
+from ase_shard.graph import ShardModel, model_dtype, receptive_field
+from ase_shard.halo import rank_rows
+from ase_shard.partition import (
+    PARTITIONS,
+    choose_grid,
+    contiguous_owners,
+    frame_coordinates,
+    spatial_owners,
+)
+from ase_shard.system import differing_fields, fingerprint, validate
+
+
+def select_device(device: Any, comm: Comm) -> torch.device:
+    """``device`` if given, else ``cuda:<node-local rank % GPUs>`` or CPU."""
+    node_rank = comm.node_rank()
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device(f"cuda:{node_rank % torch.cuda.device_count()}")
+    return torch.device("cpu")
+
+
+class ShardedCalculator(Calculator):
+    """Evaluate a torch potential on one system spread over MPI ranks.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A model following the protocol of :class:`ase_shard.graph.ShardModel`
+        (``cutoff`` in Å, ``num_layers``, ``atomic_types``, per-atom energies
+        in eV).
+    skin : float
+        Extra neighbour/halo distance in Å. The decomposition is reused until
+        some atom moved more than ``skin / 2`` since it was built.
+    device : str or torch.device, optional
+        Where this rank evaluates; default ``cuda:<node-local rank % GPUs>``
+        when CUDA is available, else CPU.
+    dtype : torch.dtype, optional
+        Precision of the model (it is cast); default: the model's own.
+    comm : mpi4py communicator, optional
+        Default ``MPI.COMM_WORLD`` when mpi4py is loaded, else one rank.
+    partition : {"spatial", "contiguous"}
+        ``spatial``: a count-balanced ``px*py*pz`` grid of boxes in frame
+        coordinates. ``contiguous``: blocks of atom indices.
+    grid : (int, int, int), optional
+        Rank grid for ``spatial``; default: the one with the smallest halo.
+
+    Results (eV, eV/Å, eV/Å³) equal the serial evaluation to round-off and are
+    bitwise identical on every rank. ``stress``/``stresses`` exist only when the
+    cell has rank 3.
+    """
+
+    implemented_properties = ["energy", "free_energy", "energies", "forces", "stress", "stresses"]
+    nolabel = True
+
+    def __init__(
+        self,
+        model: ShardModel,
+        *,
+        skin: float = 0.5,
+        device: Any = None,
+        dtype: Optional[torch.dtype] = None,
+        comm: Any = None,
+        partition: str = "spatial",
+        grid: Optional[Sequence[int]] = None,
+        **kwargs,
+    ):
+        if partition not in PARTITIONS:
+            raise ValueError(f"partition must be one of {PARTITIONS}, not {partition!r}")
+        if skin < 0:
+            raise ValueError(f"skin must be >= 0 Å, not {skin}")
+        Calculator.__init__(self, **kwargs)
+        self.comm = Comm(comm)
+        if grid is not None:
+            grid = tuple(int(p) for p in grid)
+            if len(grid) != 3 or int(np.prod(grid)) != self.comm.size:
+                raise ValueError(f"grid {grid} does not multiply to {self.comm.size} ranks")
+        self.device = select_device(device, self.comm)
+        self.dtype = dtype or model_dtype(model)
+        if self.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"dtype must be torch.float32 or torch.float64, not {self.dtype}")
+        self.model = model.to(device=self.device, dtype=self.dtype)
+        # parameters stay JSON-encodable so Trajectory can write them
+        self.parameters.update(
+            skin=float(skin),
+            partition=partition,
+            grid=list(grid) if grid else None,
+            model=type(model).__name__,
+        )
+        self.rebuilds = 0
+        self._block: Optional[LocalBlock] = None
+        self._counts: Optional[list] = None  # (rows, owned) per rank
+        self._root_state: Optional[dict] = None  # rank 0: layout of the last build
+
+    @property
+    def skin(self) -> float:
+        return self.parameters["skin"]
+
+    def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes):
+        Calculator.calculate(self, atoms, properties, system_changes)
+        atoms = self.atoms
+        try:
+            self._calculate(atoms)
+        except BaseException:
+            # the next call starts from a fresh decomposition on every rank
+            self._block = self._counts = self._root_state = None
+            raise
+
+    def _calculate(self, atoms: Atoms) -> None:
+        comm = self.comm
+        plan = self._agree_on_system(atoms)
+        rebuild_now, counts, cell = plan["rebuild"], plan["counts"], np.array(plan["cell"])
+        n_rows = counts[comm.rank][0]
+        root = self._root_state
+
+        if rebuild_now:
+            self._counts = counts
+            layout = root["layout"] if comm.is_root else None
+            meta = comm.scatter_rows(
+                [np.column_stack([r.ids, r.image_shift, atoms.numbers[r.ids]]) for r in layout]
+                if comm.is_root
+                else None,
+                n_rows,
+                (5,),
+                np.int64,
+            )
+        row_positions = comm.scatter_rows(
+            np.split(atoms.positions[root["ids"]], root["splits"]) if comm.is_root else None,
+            n_rows,
+            (3,),
+            np.float64,
+        )
+
+        error, rows = None, None
+        try:
+            if rebuild_now:
+                self._block = LocalBlock(
+                    meta[:, 4], meta[:, 1:4], counts[comm.rank][1], self.model, self.skin,
+                    row_positions, cell, self.device,
+                )
+            rows = self._block.evaluate(row_positions, cell, self.dtype).cpu().numpy()
+        except Exception as exc:
+            error = describe(exc, comm.rank)
+        if rows is None:
+            rows = np.zeros((n_rows, RESULT_COLUMNS))
+        errors = comm.gather(error)
+        gathered = comm.gather_rows(rows, [c[0] for c in counts])
+
+        status, buffer = None, None
+        if comm.is_root:
+            failed = [e for e in errors if e is not None]
+            status = failed or None
+            if not failed:
+                buffer = self._assemble(atoms, gathered)
+        status = comm.bcast(status)
+        if status:
+            raise rebuild(status)
+        if buffer is None:
+            buffer = np.empty(self._result_size(atoms))
+        self._store(atoms, comm.bcast_array(buffer))
+
+    def _agree_on_system(self, atoms: Atoms) -> dict:
+        """Validate, decide on a rebuild and plan it on rank 0; agree everywhere.
+
+        One collective: every rank learns rank 0's plan (or error) and every
+        rank's fingerprint, so all raise the same error or none does.
+        """
+        comm = self.comm
+        plan, error = None, None
+        if comm.is_root:
+            try:
+                plan = self._plan(atoms)
+            except Exception as exc:
+                error = describe(exc, 0)
+        mine = fingerprint(atoms) if comm.size > 1 else None
+        views = comm.allgather((mine, error, plan))
+        root_print, root_error, plan = views[0]
+        if root_error is not None:
+            raise rebuild([root_error])
+        differing = {
+            rank: differing_fields(root_print, view[0])
+            for rank, view in enumerate(views)
+            if view[0] != root_print
+        }
+        if differing:
+            detail = "; ".join(f"rank {r}: {', '.join(f)}" for r, f in differing.items())
+            raise ValueError(
+                "ranks hold different Atoms than rank 0 (" + detail + "). Under mpirun every "
+                "rank must build and move the same system: seed random numbers identically "
+                "(e.g. Langevin(..., rng=np.random.default_rng(seed)))"
+            )
+        return plan
+
+    def _plan(self, atoms: Atoms) -> dict:
+        """Rank 0: validate, and partition + find ghosts when a rebuild is due."""
+        validate(atoms, getattr(self.model, "atomic_types", None))
+        cell = atoms.cell.array.copy()
+        state = self._root_state
+        rebuild_now = state is None or self._moved_too_far(atoms, state)
+        if rebuild_now:
+            state = self._build_layout(atoms)
+            self._root_state = state
+            self.rebuilds += 1
+        return {"rebuild": rebuild_now, "counts": state["counts"], "cell": cell.tolist()}
+
+    def _moved_too_far(self, atoms: Atoms, state: dict) -> bool:
+        reference = state["atoms"]
+        if (
+            len(atoms) != len(reference)
+            or (atoms.numbers != reference.numbers).any()
+            or (atoms.pbc != reference.pbc).any()
+            or (atoms.cell.array != reference.cell.array).any()
+        ):
+            return True
+        if len(atoms) == 0:
+            return False
+        displacement2 = ((atoms.positions - reference.positions) ** 2).sum(axis=1).max()
+        return bool(displacement2 > (0.5 * self.skin) ** 2)
+
+    def _build_layout(self, atoms: Atoms) -> dict:
+        comm = self.comm
+        pbc = atoms.pbc.copy()
+        coords = frame_coordinates(atoms.positions, atoms.cell.array, pbc)
+        width = receptive_field(self.model) + self.skin
+        if self.parameters["partition"] == "spatial":
+            grid = self.parameters["grid"] or choose_grid(coords, pbc, comm.size, width)
+            owners = spatial_owners(coords, tuple(grid))
+        else:
+            owners = contiguous_owners(len(atoms), comm.size)
+        layout = rank_rows(coords, pbc, owners, comm.size, width)
+        ids = np.concatenate([r.ids for r in layout])
+        return {
+            "atoms": atoms.copy(),
+            "layout": layout,
+            "ids": ids,
+            "gather_index": torch.from_numpy(ids),
+            "splits": np.cumsum([len(r.ids) for r in layout])[:-1],
+            "counts": [(len(r.ids), r.n_owned) for r in layout],
+        }
+
+    def _result_size(self, atoms: Atoms) -> int:
+        n = len(atoms)
+        return 1 + 4 * n + (6 + 6 * n if atoms.cell.rank == 3 else 0)
+
+    def _assemble(self, atoms: Atoms, gathered: np.ndarray) -> np.ndarray:
+        """Rank 0: sum every rank's rows into owners; pack the results."""
+        n = len(atoms)
+        total = torch.zeros((n, RESULT_COLUMNS), dtype=torch.float64)
+        total.index_add_(0, self._root_state["gather_index"], torch.from_numpy(gathered))
+        total = total.numpy()
+        energies = total[:, 0]
+        parts = [[energies.sum()], energies, total[:, 1:4].ravel()]
+        if atoms.cell.rank == 3:
+            stresses = total[:, 4:] / atoms.get_volume()
+            parts += [stresses.sum(axis=0), stresses.ravel()]
+        return np.concatenate(parts)
+
+    def _store(self, atoms: Atoms, buffer: np.ndarray) -> None:
+        n = len(atoms)
+        energy = float(buffer[0])
+        self.results["energy"] = self.results["free_energy"] = energy
+        self.results["energies"] = buffer[1 : 1 + n].copy()
+        self.results["forces"] = buffer[1 + n : 1 + 4 * n].reshape(n, 3).copy()
+        if atoms.cell.rank == 3:
+            self.results["stress"] = buffer[1 + 4 * n : 7 + 4 * n].copy()
+            self.results["stresses"] = buffer[7 + 4 * n :].reshape(n, 6).copy()

@@ -1,0 +1,171 @@
+"""The only module that talks MPI.
+
+``Comm`` wraps an mpi4py communicator (or stands in for one rank when mpi4py
+is absent or the process was not started by an MPI launcher). Bulk data moves
+as numpy buffers (``Scatterv``/``Gatherv``/``Bcast``); only small control
+messages are pickled.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+# Variables that MPI launchers (Open MPI, MPICH/Hydra, PMIx, Slurm's PMI) set.
+_LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+
+
+def launched_by_mpi() -> bool:
+    """True when this process was started by ``mpirun``/``srun``."""
+    return any(name in os.environ for name in _LAUNCHER_VARIABLES)
+
+
+def init_mpi() -> None:
+    """Import mpi4py early when under a launcher.
+
+    ``ase.parallel.world`` picks mpi4py only if it is already imported when
+    ASE first touches ``world``; importing it here keeps ASE's view of the
+    world and ours the same.
+    """
+    if launched_by_mpi():
+        try:
+            from mpi4py import MPI  # noqa: F401
+        except ImportError:
+            pass
+
+
+class CollectiveError(RuntimeError):
+    """An error raised on some rank that could not be re-created by type."""
+
+
+class Comm:
+    """Collectives used by ase_shard over an mpi4py communicator, or one rank.
+
+    Parameters
+    ----------
+    comm : mpi4py.MPI.Comm, Comm or None
+        ``None`` uses ``MPI.COMM_WORLD`` when mpi4py is loaded, else a
+        single-rank stand-in.
+    """
+
+    def __init__(self, comm: Any = None):
+        if isinstance(comm, Comm):
+            comm = comm.mpi
+        if comm is None and "mpi4py.MPI" in sys.modules:
+            comm = sys.modules["mpi4py.MPI"].COMM_WORLD
+        self.mpi = comm
+        self.rank = comm.Get_rank() if comm is not None else 0
+        self.size = comm.Get_size() if comm is not None else 1
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+    def bcast(self, obj: Any) -> Any:
+        """Broadcast a small picklable object from rank 0."""
+        return obj if self.mpi is None else self.mpi.bcast(obj, root=0)
+
+    def allgather(self, obj: Any) -> list:
+        """Every rank's small picklable object, in rank order."""
+        return [obj] if self.mpi is None else self.mpi.allgather(obj)
+
+    def gather(self, obj: Any) -> Optional[list]:
+        """Every rank's small object on rank 0 (``None`` elsewhere)."""
+        return [obj] if self.mpi is None else self.mpi.gather(obj, root=0)
+
+    def bcast_array(self, array: np.ndarray) -> np.ndarray:
+        """Broadcast ``array`` in place from rank 0 (same shape/dtype everywhere)."""
+        if self.mpi is not None:
+            self.mpi.Bcast(array, root=0)
+        return array
+
+    def scatter_rows(
+        self, chunks: Optional[Sequence[np.ndarray]], n_rows: int, row_shape: tuple, dtype
+    ) -> np.ndarray:
+        """Rank 0 sends ``chunks[r]`` to rank ``r``; returns this rank's rows.
+
+        ``n_rows`` is this rank's row count, known to it in advance.
+        """
+        recv = np.empty((n_rows, *row_shape), dtype=dtype)
+        if self.mpi is None:
+            recv[...] = chunks[0]
+            return recv
+        if self.is_root:
+            counts = np.array([len(c) for c in chunks]) * int(np.prod(row_shape))
+            send = np.ascontiguousarray(np.concatenate(chunks), dtype=dtype)
+            self.mpi.Scatterv([send, counts, _mpi_type(dtype)], recv, root=0)
+        else:
+            self.mpi.Scatterv(None, recv, root=0)
+        return recv
+
+    def gather_rows(self, rows: np.ndarray, counts: Optional[Sequence[int]]) -> Optional[np.ndarray]:
+        """Concatenate every rank's ``rows`` on rank 0 (``counts``: rows per rank)."""
+        rows = np.ascontiguousarray(rows)
+        if self.mpi is None:
+            return rows
+        recv = None
+        if self.is_root:
+            row_size = int(np.prod(rows.shape[1:]))
+            recv = np.empty((int(sum(counts)), *rows.shape[1:]), dtype=rows.dtype)
+            sizes = np.asarray(counts) * row_size
+            recv_spec = [recv, sizes, _mpi_type(rows.dtype)]
+            self.mpi.Gatherv(rows, recv_spec, root=0)
+        else:
+            self.mpi.Gatherv(rows, None, root=0)
+        return recv
+
+    def node_rank(self) -> int:
+        """Rank among the processes that share this node."""
+        if self.mpi is None:
+            return 0
+        from mpi4py import MPI
+
+        local = self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        try:
+            return local.Get_rank()
+        finally:
+            local.Free()
+
+
+def describe(error: BaseException, rank: int) -> tuple:
+    """Picklable summary of an exception raised on ``rank``."""
+    kind = type(error)
+    return (kind.__module__, kind.__qualname__, str(error), rank)
+
+
+def _exception_class(module: str, qualname: str) -> type:
+    """The exception class named by ``module.qualname``, if importable."""
+    target: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        target = getattr(target, part, None)
+    if isinstance(target, type) and issubclass(target, BaseException):
+        return target
+    return CollectiveError
+
+
+def rebuild(summaries: Sequence[tuple]) -> BaseException:
+    """One exception for every rank from the summaries of the failed ranks.
+
+    The first failing rank's exception type is kept when it can be re-created
+    from a message; the message names the rank (and how many others failed).
+    """
+    module, qualname, message, rank = summaries[0]
+    others = f"; {len(summaries) - 1} more rank(s) failed" if len(summaries) > 1 else ""
+    text = f"{message} [rank {rank}{others}]"
+    kind = _exception_class(module, qualname)
+    try:
+        error = kind(text)
+    except Exception:
+        error = None
+    if not isinstance(error, BaseException):
+        error = CollectiveError(f"{qualname}: {text}")
+    return error
+
+
+def _mpi_type(dtype):
+    from mpi4py import MPI
+
+    return MPI._typedict[np.dtype(dtype).char]

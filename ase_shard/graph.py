@@ -1,0 +1,71 @@
+"""The local graph a model sees on one rank, and the model protocol."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence, runtime_checkable
+
+import torch
+
+
+@dataclass
+class LocalGraph:
+    """One rank's block of atoms: owned rows first, then ghosts.
+
+    Attributes
+    ----------
+    numbers : torch.Tensor
+        ``(n,)`` int64 atomic numbers of all local rows.
+    edge_index : torch.Tensor
+        ``(2, E)`` int64 directed edges ``(centre, neighbour)``; both directions
+        of every pair within ``cutoff`` are present (a full list).
+    edge_vectors : torch.Tensor
+        ``(E, 3)`` vectors ``r_neighbour - r_centre`` in Å, periodic images
+        already applied. Differentiable: forces and stress are derived from
+        ``dE/d edge_vectors``.
+    n_owned : int
+        Rows ``[0, n_owned)`` are owned by this rank; their energies count.
+    """
+
+    numbers: torch.Tensor
+    edge_index: torch.Tensor
+    edge_vectors: torch.Tensor
+    n_owned: int
+
+    @property
+    def n_atoms(self) -> int:
+        """Number of local rows (owned + ghosts)."""
+        return int(self.numbers.shape[0])
+
+
+@runtime_checkable
+class ShardModel(Protocol):
+    """What ``ShardedCalculator`` needs from a ``torch.nn.Module``.
+
+    ``cutoff`` (Å) is the range of one interaction; ``num_layers`` is the
+    message-passing depth, so an atom's energy depends on atoms up to
+    ``cutoff * num_layers`` away (the receptive field). ``atomic_types`` lists the
+    supported atomic numbers, or is ``None`` when any element works.
+    ``forward(graph)`` returns ``(n,)`` per-atom energies in eV for every local
+    row. Messages flow into the centre ``edge_index[0]``: after one layer the
+    energy of atom ``i`` may depend only on the edges centred on ``i``.
+    """
+
+    cutoff: float
+    num_layers: int
+    atomic_types: Optional[Sequence[int]]
+
+    def __call__(self, graph: LocalGraph) -> torch.Tensor: ...
+
+
+def receptive_field(model: ShardModel) -> float:
+    """Distance (Å) within which atoms influence an atom's energy."""
+    return float(model.cutoff) * int(model.num_layers)
+
+
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    """dtype of the model's floating parameters/buffers (float64 if it has none)."""
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if tensor.is_floating_point():
+            return tensor.dtype
+    return torch.float64

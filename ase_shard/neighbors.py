@@ -1,0 +1,80 @@
+"""Neighbour pairs of a finite block of points (images already explicit).
+
+Each rank's block (owned rows + ghosts) carries its periodic images as rows,
+so the search is always non-periodic. CPU tensors go to ``vesin``; tensors on
+an accelerator use a torch cell list so they never leave the device.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import torch
+import vesin
+
+
+def neighbor_pairs(positions: torch.Tensor, cutoff: float) -> torch.Tensor:
+    """Full list of pairs closer than ``cutoff``.
+
+    Parameters
+    ----------
+    positions : torch.Tensor
+        ``(n, 3)`` positions in Å.
+    cutoff : float
+        Search radius in Å.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(2, E)`` int64 on ``positions.device``: both ``(i, j)`` and ``(j, i)``
+        for every pair with ``|r_j - r_i| < cutoff``, ``i != j``.
+    """
+    if positions.shape[0] < 2:
+        return torch.zeros((2, 0), dtype=torch.int64, device=positions.device)
+    if positions.device.type == "cpu":
+        return _vesin_pairs(positions, cutoff)
+    return _cell_list_pairs(positions, cutoff)
+
+
+def _vesin_pairs(positions: torch.Tensor, cutoff: float) -> torch.Tensor:
+    points = positions.detach().to(torch.float64).numpy()
+    nl = vesin.NeighborList(cutoff=float(cutoff), full_list=True)
+    i, j = nl.compute(points=points, box=np.zeros((3, 3)), periodic=False, quantities="ij")
+    pairs = np.stack([i, j]).astype(np.int64)
+    return torch.from_numpy(pairs)
+
+
+def _cell_list_pairs(positions: torch.Tensor, cutoff: float) -> torch.Tensor:
+    """Vectorised cell list: bins of edge ``cutoff``, 27 neighbouring bins."""
+    device = positions.device
+    pos = positions.detach().to(torch.float64)
+    origin = pos.min(dim=0).values
+    bins = torch.floor((pos - origin) / cutoff).to(torch.int64)
+    n_bins = bins.max(dim=0).values + 3  # one empty layer on each side
+    bins = bins + 1
+    strides = torch.stack([n_bins[1] * n_bins[2], n_bins[2], torch.ones_like(n_bins[2])])
+    keys = (bins * strides).sum(dim=1)
+    order = torch.argsort(keys)
+    sorted_keys = keys[order]
+    total_bins = int(n_bins.prod())
+    counts = torch.bincount(sorted_keys, minlength=total_bins)
+    starts = torch.cumsum(counts, 0) - counts
+
+    centres, neighbours = [], []
+    for offset in itertools.product((-1, 0, 1), repeat=3):
+        shift = (torch.tensor(offset, device=device) * strides).sum()
+        other = keys + shift
+        n_other = counts[other]
+        centre = torch.repeat_interleave(torch.arange(pos.shape[0], device=device), n_other)
+        first = torch.repeat_interleave(starts[other], n_other)
+        rank_in_bin = torch.arange(centre.shape[0], device=device) - torch.repeat_interleave(
+            torch.cumsum(n_other, 0) - n_other, n_other
+        )
+        centres.append(centre)
+        neighbours.append(order[first + rank_in_bin])
+    i = torch.cat(centres)
+    j = torch.cat(neighbours)
+    d2 = ((pos[j] - pos[i]) ** 2).sum(dim=1)
+    keep = (i != j) & (d2 < cutoff * cutoff)
+    return torch.stack([i[keep], j[keep]])

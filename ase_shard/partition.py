@@ -1,0 +1,143 @@
+"""Owner assignment: which rank owns which atom (pure numpy, no MPI).
+
+Geometry is expressed in a *frame*: the cell vectors on periodic axes and an
+orthonormal completion on non-periodic ones, so a molecule with no cell or a
+slab with a zero cell vector still has well-defined coordinates. Frame
+coordinates are fractional on periodic axes (wrapped into ``[0, 1)``) and in Å
+along the unit vectors of non-periodic axes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+PARTITIONS = ("spatial", "contiguous")
+
+
+def frame_matrix(cell: np.ndarray, pbc: np.ndarray) -> np.ndarray:
+    """Rows: cell vectors on periodic axes, orthonormal completion elsewhere.
+
+    Parameters
+    ----------
+    cell : (3, 3) array, Å
+    pbc : (3,) bool array
+
+    Returns
+    -------
+    (3, 3) array whose rows span space; row ``i`` belongs to axis ``i``.
+    """
+    frame = np.zeros((3, 3))
+    periodic = np.flatnonzero(pbc)
+    frame[periodic] = cell[periodic]
+    if len(periodic) < 3:
+        # The right-singular vectors beyond the periodic span are orthonormal
+        # and orthogonal to every periodic vector.
+        basis = np.zeros((3, 3)) if len(periodic) == 0 else cell[periodic]
+        _, _, vt = np.linalg.svd(np.vstack([basis, np.zeros((3 - len(periodic), 3))]))
+        complement = vt[len(periodic):] if len(periodic) else np.eye(3)
+        frame[np.flatnonzero(~pbc)] = complement
+    return frame
+
+
+def plane_spacings(frame: np.ndarray) -> np.ndarray:
+    """Distance (Å) between the lattice planes ``s_i = const`` of each axis."""
+    volume = abs(np.linalg.det(frame))
+    cross = np.cross(frame[[1, 2, 0]], frame[[2, 0, 1]])
+    return volume / np.linalg.norm(cross, axis=1)
+
+
+@dataclass
+class FrameCoordinates:
+    """Atoms expressed in the frame.
+
+    Attributes
+    ----------
+    s : (N, 3) array
+        Frame coordinates; periodic axes wrapped into ``[0, 1)``.
+    wrap_shift : (N, 3) int array
+        Cell images that bring each atom into the wrapped cell:
+        ``positions + wrap_shift @ cell`` has coordinates ``s``.
+    spacing : (3,) array
+        Plane spacings of the frame, Å.
+    """
+
+    s: np.ndarray
+    wrap_shift: np.ndarray
+    spacing: np.ndarray
+
+
+def frame_coordinates(positions: np.ndarray, cell: np.ndarray, pbc: np.ndarray) -> FrameCoordinates:
+    """Express ``positions`` (Å) in the frame of ``cell``/``pbc``."""
+    frame = frame_matrix(cell, pbc)
+    s = np.linalg.solve(frame.T, positions.T).T
+    shift = np.where(pbc, -np.floor(s), 0.0)
+    s = s + shift
+    # s - floor(s) can round up to exactly 1.0 for tiny negative s
+    over = s >= 1.0
+    shift[over] -= 1.0
+    s[over] -= 1.0
+    return FrameCoordinates(s=s, wrap_shift=shift.astype(np.int64), spacing=plane_spacings(frame))
+
+
+def factorisations(n_ranks: int) -> list[tuple[int, int, int]]:
+    """All ordered ``(px, py, pz)`` with ``px * py * pz == n_ranks``."""
+    return [
+        (px, py, n_ranks // (px * py))
+        for px, py in itertools.product(range(1, n_ranks + 1), repeat=2)
+        if n_ranks % (px * py) == 0
+    ]
+
+
+def choose_grid(
+    coords: FrameCoordinates, pbc: np.ndarray, n_ranks: int, halo_width: float
+) -> tuple[int, int, int]:
+    """Rank grid that minimises the estimated halo volume.
+
+    Extents are the plane spacing on periodic axes and the atoms' span on the
+    others; a non-periodic axis has no halo beyond the system's surface.
+    """
+    if len(coords.s) == 0:
+        return (n_ranks, 1, 1)
+    span = coords.s.max(axis=0) - coords.s.min(axis=0)
+    extent = np.where(pbc, coords.spacing, span)
+
+    def halo_volume(grid: tuple[int, int, int]) -> float:
+        p = np.array(grid)
+        sides = extent / p
+        cuts = np.where(pbc, 2.0, 2.0 * (p - 1) / p)
+        return float(np.prod(sides + cuts * halo_width) - np.prod(sides))
+
+    return min(factorisations(n_ranks), key=halo_volume)
+
+
+def balanced_labels(values: np.ndarray, groups: np.ndarray, parts: int) -> np.ndarray:
+    """Split each group into ``parts`` runs of equal count along ``values``."""
+    order = np.lexsort((values, groups))
+    counts = np.bincount(groups, minlength=groups.max() + 1 if len(groups) else 0)
+    starts = np.cumsum(counts) - counts
+    sorted_groups = groups[order]
+    rank_in_group = np.arange(len(values)) - starts[sorted_groups]
+    labels = np.empty(len(values), dtype=np.int64)
+    labels[order] = rank_in_group * parts // counts[sorted_groups]
+    return labels
+
+
+def spatial_owners(coords: FrameCoordinates, grid: tuple[int, int, int]) -> np.ndarray:
+    """Owner rank of each atom on a ``px x py x pz`` grid of count-balanced boxes.
+
+    Axis 0 is cut at quantiles of all atoms; axis 1 at quantiles within each
+    axis-0 slab; axis 2 within each column, so every rank gets ``N/P`` atoms
+    (within one) even for slabs and clusters.
+    """
+    group = np.zeros(len(coords.s), dtype=np.int64)
+    for axis, parts in enumerate(grid):
+        group = group * parts + balanced_labels(coords.s[:, axis], group, parts)
+    return group
+
+
+def contiguous_owners(n_atoms: int, n_ranks: int) -> np.ndarray:
+    """Owner rank by index blocks: rank ``r`` owns ``[r N / P, (r+1) N / P)``."""
+    return np.arange(n_atoms, dtype=np.int64) * n_ranks // max(n_atoms, 1)
