@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ase_shard.graph import LocalGraph, ShardModel
+from ase_shard.graph import LocalGraph
 from ase_shard.neighbors import neighbor_pairs
 
 # Columns of the per-row result: owned energy, force (3), virial Voigt (6).

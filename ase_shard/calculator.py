@@ -7,7 +7,8 @@ evaluate each rank's block, and gather/broadcast the results.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -77,10 +78,10 @@ class ShardedCalculator(Calculator):
         *,
         skin: float = 0.5,
         device: Any = None,
-        dtype: Optional[torch.dtype] = None,
+        dtype: torch.dtype | None = None,
         comm: Any = None,
         partition: str = "spatial",
-        grid: Optional[Sequence[int]] = None,
+        grid: Sequence[int] | None = None,
         **kwargs,
     ):
         if partition not in PARTITIONS:
@@ -106,9 +107,9 @@ class ShardedCalculator(Calculator):
             model=type(model).__name__,
         )
         self.rebuilds = 0
-        self._block: Optional[LocalBlock] = None
-        self._counts: Optional[list] = None  # (rows, owned) per rank
-        self._root_state: Optional[dict] = None  # rank 0: layout of the last build
+        self._block: LocalBlock | None = None
+        self._counts: list | None = None  # (rows, owned) per rank
+        self._root_state: dict | None = None  # rank 0: layout of the last build
 
     @property
     def skin(self) -> float:
@@ -132,6 +133,7 @@ class ShardedCalculator(Calculator):
         root = self._root_state
 
         if rebuild_now:
+            self.rebuilds += 1
             self._counts = counts
             layout = root["layout"] if comm.is_root else None
             meta = comm.scatter_rows(
@@ -153,8 +155,14 @@ class ShardedCalculator(Calculator):
         try:
             if rebuild_now:
                 self._block = LocalBlock(
-                    meta[:, 4], meta[:, 1:4], counts[comm.rank][1], self.model, self.skin,
-                    row_positions, cell, self.device,
+                    meta[:, 4],
+                    meta[:, 1:4],
+                    counts[comm.rank][1],
+                    self.model,
+                    self.skin,
+                    row_positions,
+                    cell,
+                    self.device,
                 )
             rows = self._block.evaluate(row_positions, cell, self.dtype).cpu().numpy()
         except Exception as exc:
@@ -218,7 +226,6 @@ class ShardedCalculator(Calculator):
         if rebuild_now:
             state = self._build_layout(atoms)
             self._root_state = state
-            self.rebuilds += 1
         return {"rebuild": rebuild_now, "counts": state["counts"], "cell": cell.tolist()}
 
     def _moved_too_far(self, atoms: Atoms, state: dict) -> bool:

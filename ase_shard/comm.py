@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -72,7 +73,7 @@ class Comm:
         """Every rank's small picklable object, in rank order."""
         return [obj] if self.mpi is None else self.mpi.allgather(obj)
 
-    def gather(self, obj: Any) -> Optional[list]:
+    def gather(self, obj: Any) -> list | None:
         """Every rank's small object on rank 0 (``None`` elsewhere)."""
         return [obj] if self.mpi is None else self.mpi.gather(obj, root=0)
 
@@ -83,7 +84,7 @@ class Comm:
         return array
 
     def scatter_rows(
-        self, chunks: Optional[Sequence[np.ndarray]], n_rows: int, row_shape: tuple, dtype
+        self, chunks: Sequence[np.ndarray] | None, n_rows: int, row_shape: tuple, dtype
     ) -> np.ndarray:
         """Rank 0 sends ``chunks[r]`` to rank ``r``; returns this rank's rows.
 
@@ -101,7 +102,7 @@ class Comm:
             self.mpi.Scatterv(None, recv, root=0)
         return recv
 
-    def gather_rows(self, rows: np.ndarray, counts: Optional[Sequence[int]]) -> Optional[np.ndarray]:
+    def gather_rows(self, rows: np.ndarray, counts: Sequence[int] | None) -> np.ndarray | None:
         """Concatenate every rank's ``rows`` on rank 0 (``counts``: rows per rank)."""
         rows = np.ascontiguousarray(rows)
         if self.mpi is None:

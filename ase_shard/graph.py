@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -53,7 +54,7 @@ class ShardModel(Protocol):
 
     cutoff: float
     num_layers: int
-    atomic_types: Optional[Sequence[int]]
+    atomic_types: Sequence[int] | None
 
     def __call__(self, graph: LocalGraph) -> torch.Tensor: ...
 

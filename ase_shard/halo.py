@@ -38,7 +38,9 @@ class RankRows:
 def image_range(width: np.ndarray, pbc: np.ndarray) -> list[range]:
     """Cell images to try on each axis for a fractional halo ``width``."""
     reach = np.ceil(width).astype(int)
-    return [range(-r, r + 1) if periodic else range(1) for r, periodic in zip(reach, pbc)]
+    return [
+        range(-r, r + 1) if periodic else range(1) for r, periodic in zip(reach, pbc, strict=True)
+    ]
 
 
 def rank_rows(

@@ -37,7 +37,7 @@ def frame_matrix(cell: np.ndarray, pbc: np.ndarray) -> np.ndarray:
         # and orthogonal to every periodic vector.
         basis = np.zeros((3, 3)) if len(periodic) == 0 else cell[periodic]
         _, _, vt = np.linalg.svd(np.vstack([basis, np.zeros((3 - len(periodic), 3))]))
-        complement = vt[len(periodic):] if len(periodic) else np.eye(3)
+        complement = vt[len(periodic) :] if len(periodic) else np.eye(3)
         frame[np.flatnonzero(~pbc)] = complement
     return frame
 
@@ -69,14 +69,16 @@ class FrameCoordinates:
     spacing: np.ndarray
 
 
-def frame_coordinates(positions: np.ndarray, cell: np.ndarray, pbc: np.ndarray) -> FrameCoordinates:
+def frame_coordinates(
+    positions: np.ndarray, cell: np.ndarray, pbc: np.ndarray
+) -> FrameCoordinates:
     """Express ``positions`` (Å) in the frame of ``cell``/``pbc``."""
     frame = frame_matrix(cell, pbc)
     s = np.linalg.solve(frame.T, positions.T).T
     shift = np.where(pbc, -np.floor(s), 0.0)
     s = s + shift
     # s - floor(s) can round up to exactly 1.0 for tiny negative s
-    over = s >= 1.0
+    over = (s >= 1.0) & pbc
     shift[over] -= 1.0
     s[over] -= 1.0
     return FrameCoordinates(s=s, wrap_shift=shift.astype(np.int64), spacing=plane_spacings(frame))

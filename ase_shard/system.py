@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from ase import Atoms
@@ -12,7 +12,7 @@ from ase.data import chemical_symbols
 FINGERPRINT_FIELDS = ("number of atoms", "numbers", "positions", "cell", "pbc")
 
 
-def validate(atoms: Atoms, atomic_types: Optional[Sequence[int]]) -> None:
+def validate(atoms: Atoms, atomic_types: Sequence[int] | None) -> None:
     """Raise ``ValueError`` if ``atoms`` cannot be evaluated.
 
     Checks finite positions, a non-degenerate cell on periodic axes and that
@@ -71,4 +71,6 @@ def fingerprint(atoms: Atoms) -> tuple:
 
 def differing_fields(reference: tuple, other: tuple) -> list[str]:
     """Names of the fingerprint fields in which ``other`` differs."""
-    return [name for name, a, b in zip(FINGERPRINT_FIELDS, reference, other) if a != b]
+    return [
+        name for name, a, b in zip(FINGERPRINT_FIELDS, reference, other, strict=True) if a != b
+    ]

@@ -1,0 +1,376 @@
+"""Serial checks of the frame, owner assignment and halo selection (no MPI).
+
+Expected values come from geometry identities, ASE's reciprocal cell and brute
+force over explicit cell images, never from the code under test.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from ase.cell import Cell
+
+from ase_shard.halo import rank_rows
+from ase_shard.partition import (
+    FrameCoordinates,
+    choose_grid,
+    contiguous_owners,
+    frame_coordinates,
+    frame_matrix,
+    plane_spacings,
+    spatial_owners,
+)
+
+ALL_PBC = list(itertools.product((False, True), repeat=3))
+GRIDS = [(1, 1, 1), (2, 1, 1), (2, 2, 1), (1, 3, 1), (2, 1, 2), (4, 1, 1)]
+
+
+def _triclinic(rng: np.random.Generator, lengths=(4.0, 5.0, 6.0)) -> np.ndarray:
+    """Full-rank triclinic cell: given diagonal plus random tilts."""
+    return np.diag(lengths) + rng.uniform(-0.3, 0.3, (3, 3)) * np.mean(lengths)
+
+
+def _periodic_fractions(points: np.ndarray, cell: np.ndarray, pbc) -> np.ndarray:
+    """Fractional coordinates along the periodic cell vectors.
+
+    The pseudo-inverse's columns are the reciprocal vectors within the span of
+    the periodic vectors, so this needs no completion of the cell.
+    """
+    periodic = cell[np.asarray(pbc)]
+    return points @ np.linalg.pinv(periodic)
+
+
+# ------------------------------------------------------------------ frame
+
+
+def _frame_cases() -> list[tuple[tuple[bool, bool, bool], str]]:
+    cases = [(pbc, kind) for pbc in ALL_PBC for kind in ("triclinic", "zero_nonperiodic")]
+    return [*cases, ((False, False, False), "zero")]
+
+
+@pytest.mark.parametrize("pbc, kind", _frame_cases())
+def test_frame_matrix(pbc: tuple[bool, bool, bool], kind: str) -> None:
+    """Periodic rows are the cell; the rest is an orthonormal, orthogonal completion."""
+    pbc = np.array(pbc)
+    cell = _triclinic(np.random.default_rng(1))
+    if kind == "zero_nonperiodic":
+        cell[~pbc] = 0.0
+    elif kind == "zero":
+        cell[:] = 0.0
+    frame = frame_matrix(cell, pbc)
+
+    np.testing.assert_array_equal(frame[pbc], cell[pbc])
+    free = frame[~pbc]
+    np.testing.assert_allclose(free @ free.T, np.eye(len(free)), atol=1e-12)
+    np.testing.assert_allclose(free @ cell[pbc].T, 0.0, atol=1e-12)
+    assert np.linalg.matrix_rank(frame) == 3
+    # |det| is the k-volume of the periodic vectors (Gram determinant)
+    periodic = cell[pbc]
+    gram_volume = np.sqrt(np.linalg.det(periodic @ periodic.T)) if pbc.any() else 1.0
+    assert abs(np.linalg.det(frame)) == pytest.approx(gram_volume, rel=1e-12)
+
+
+def test_plane_spacings_triclinic() -> None:
+    """Spacing of lattice planes is 1 / |reciprocal vector|."""
+    cell = _triclinic(np.random.default_rng(2))
+    expected = 1.0 / np.linalg.norm(Cell(cell).reciprocal(), axis=1)
+    np.testing.assert_allclose(plane_spacings(cell), expected, rtol=1e-12)
+
+
+@pytest.mark.parametrize("pbc", ALL_PBC)
+def test_plane_spacings_mixed_pbc(pbc: tuple[bool, bool, bool]) -> None:
+    """Periodic axes: in-span reciprocal spacing; non-periodic axes: 1 (Å per Å)."""
+    pbc = np.array(pbc)
+    cell = _triclinic(np.random.default_rng(3))
+    spacing = plane_spacings(frame_matrix(cell, pbc))
+    if pbc.any():
+        reciprocal = np.linalg.pinv(cell[pbc])
+        np.testing.assert_allclose(spacing[pbc], 1.0 / np.linalg.norm(reciprocal, axis=0))
+    np.testing.assert_allclose(spacing[~pbc], 1.0, rtol=1e-12)
+
+
+# ------------------------------------------------------- frame coordinates
+
+
+def _check_frame_coordinates(positions: np.ndarray, cell: np.ndarray, pbc: np.ndarray) -> None:
+    coords = frame_coordinates(positions, cell, pbc)
+    s, shift = coords.s, coords.wrap_shift
+    assert s.shape == positions.shape
+    assert shift.dtype == np.int64
+    assert np.all(s[:, pbc] >= 0.0) and np.all(s[:, pbc] < 1.0)
+    assert np.all(shift[:, ~pbc] == 0)
+    wrapped = positions + shift @ cell
+    np.testing.assert_allclose(wrapped, s @ frame_matrix(cell, pbc), rtol=0, atol=1e-12)
+    if pbc.any():
+        # independent: periodic s are the in-span fractions of the wrapped positions
+        frac = _periodic_fractions(wrapped, cell, pbc)
+        np.testing.assert_allclose(frac, s[:, pbc], rtol=0, atol=1e-12)
+        remainder = wrapped - frac @ cell[pbc]
+    else:
+        remainder = wrapped
+    # non-periodic s are Å along orthonormal directions: lengths are preserved
+    np.testing.assert_allclose(
+        np.linalg.norm(s[:, ~pbc], axis=1), np.linalg.norm(remainder, axis=1), atol=1e-12
+    )
+
+
+@pytest.mark.parametrize("pbc", ALL_PBC)
+def test_frame_coordinates_triclinic(pbc: tuple[bool, bool, bool]) -> None:
+    """Atoms inside, far outside and a hair below zero of a triclinic cell."""
+    pbc = np.array(pbc)
+    rng = np.random.default_rng(4)
+    cell = _triclinic(rng)
+    frac = np.vstack(
+        [
+            rng.uniform(0.0, 1.0, (20, 3)),
+            rng.uniform(-12.0, 12.0, (20, 3)),
+            [[-1e-17, 0.5, 0.5], [0.5, -1e-17, -1e-17], [-1e-17, -1e-17, -1e-17]],
+            [[1.0, 0.0, -1.0], [3.0, -2.0, 7.0]],
+        ]
+    )
+    _check_frame_coordinates(frac @ cell, cell, pbc)
+
+
+@pytest.mark.parametrize("pbc", ALL_PBC)
+def test_frame_coordinates_round_up_guard(pbc: tuple[bool, bool, bool]) -> None:
+    """s = -1e-17 exactly: 1 - 1e-17 rounds to 1.0 and must be folded back to 0."""
+    pbc = np.array(pbc)
+    cell = np.diag([4.0, 8.0, 2.0])  # powers of two: the solve is exact
+    tiny = -1e-17 * np.diag(cell)
+    assert (tiny[0] / cell[0, 0]) + 1.0 == 1.0  # the case the guard exists for
+    positions = np.array([tiny, [tiny[0], 1.0, 1.0], [-4e-300, -3e-18, 1.0]])
+    _check_frame_coordinates(positions, cell, pbc)
+
+
+def test_frame_coordinates_molecule_without_cell() -> None:
+    """No cell at all: coordinates are the Cartesian positions in an orthonormal frame."""
+    rng = np.random.default_rng(5)
+    positions = rng.normal(0.0, 30.0, (15, 3))
+    pbc = np.zeros(3, bool)
+    _check_frame_coordinates(positions, np.zeros((3, 3)), pbc)
+    s = frame_coordinates(positions, np.zeros((3, 3)), pbc).s
+    dist = np.linalg.norm(positions[:, None] - positions[None], axis=-1)
+    np.testing.assert_allclose(np.linalg.norm(s[:, None] - s[None], axis=-1), dist, atol=1e-12)
+
+
+# -------------------------------------------------------------- rank grid
+
+
+def _coords(positions: np.ndarray, cell: np.ndarray, pbc) -> FrameCoordinates:
+    return frame_coordinates(positions, np.asarray(cell, float), np.asarray(pbc))
+
+
+@pytest.mark.parametrize("n_ranks", range(1, 13))
+def test_choose_grid_product(n_ranks: int) -> None:
+    """The grid always multiplies to the number of ranks."""
+    rng = np.random.default_rng(n_ranks)
+    cell = _triclinic(rng, (9.0, 7.0, 12.0))
+    for pbc in ALL_PBC:
+        coords = _coords(rng.uniform(0, 1, (40, 3)) @ cell, cell, pbc)
+        assert np.prod(choose_grid(coords, np.array(pbc), n_ranks, 4.0)) == n_ranks
+    empty = _coords(np.zeros((0, 3)), cell, (True, True, True))
+    assert np.prod(choose_grid(empty, np.ones(3, bool), n_ranks, 4.0)) == n_ranks
+
+
+@pytest.mark.parametrize("halo_width", [2.0, 5.0, 8.0])
+def test_choose_grid_thin_slab(halo_width: float) -> None:
+    """A 20 x 20 Å slab 4 Å thick (pbc T,T,F) is never cut across its thickness."""
+    rng = np.random.default_rng(6)
+    cell = np.diag([20.0, 20.0, 0.0])
+    positions = rng.uniform([0, 0, 10], [20, 20, 14], (200, 3))
+    pbc = np.array([True, True, False])
+    grid = choose_grid(_coords(positions, cell, pbc), pbc, 4, halo_width)
+    assert np.prod(grid) == 4
+    assert grid[2] == 1
+
+
+@pytest.mark.parametrize("long_axis", [0, 1, 2])
+def test_choose_grid_elongated_box(long_axis: int) -> None:
+    """A 60 x 10 x 10 Å periodic box on 4 ranks is cut along its long axis only."""
+    rng = np.random.default_rng(7)
+    lengths = np.full(3, 10.0)
+    lengths[long_axis] = 60.0
+    cell = np.diag(lengths)
+    positions = rng.uniform(0, 1, (300, 3)) @ cell
+    grid = choose_grid(_coords(positions, cell, (True,) * 3), np.ones(3, bool), 4, 5.0)
+    expected = [1, 1, 1]
+    expected[long_axis] = 4
+    assert tuple(grid) == tuple(expected)
+
+
+# ----------------------------------------------------------------- owners
+
+
+def _systems(rng: np.random.Generator, n_atoms: int) -> dict[str, FrameCoordinates]:
+    """Bulk, slab and off-centre cluster frame coordinates with ``n_atoms`` atoms."""
+    bulk_cell = _triclinic(rng, (8.0, 9.0, 10.0))
+    bulk = rng.uniform(-0.5, 1.5, (n_atoms, 3)) @ bulk_cell
+    slab = rng.uniform([0, 0, 20], [15, 15, 24], (n_atoms, 3))
+    cluster = rng.normal([3.0, 28.0, 5.0], 2.0, (n_atoms, 3))
+    return {
+        "bulk": _coords(bulk, bulk_cell, (True, True, True)),
+        "slab": _coords(slab, np.diag([15.0, 15.0, 0.0]), (True, True, False)),
+        "cluster": _coords(cluster, np.diag([30.0, 30.0, 30.0]), (False, False, False)),
+    }
+
+
+def _assert_balanced(owners: np.ndarray, n_atoms: int, n_ranks: int) -> None:
+    assert owners.shape == (n_atoms,)
+    assert np.issubdtype(owners.dtype, np.integer)
+    assert np.all((owners >= 0) & (owners < n_ranks))
+    counts = np.bincount(owners, minlength=n_ranks)
+    assert len(counts) == n_ranks
+    assert set(counts) <= {n_atoms // n_ranks, -(-n_atoms // n_ranks)}
+
+
+@pytest.mark.parametrize("grid", GRIDS)
+@pytest.mark.parametrize("n_atoms", [37, 41, 103])
+def test_spatial_owners_balanced(grid: tuple[int, int, int], n_atoms: int) -> None:
+    """Every rank owns floor or ceil of N/P atoms, on bulk, slab and cluster."""
+    rng = np.random.default_rng(n_atoms)
+    for coords in _systems(rng, n_atoms).values():
+        _assert_balanced(spatial_owners(coords, grid), n_atoms, int(np.prod(grid)))
+
+
+@pytest.mark.parametrize("grid", GRIDS)
+def test_spatial_owners_are_spatial(grid: tuple[int, int, int]) -> None:
+    """Ranks are ordered slabs along axis 0, then columns along axis 1, then boxes."""
+    rng = np.random.default_rng(8)
+    for coords in _systems(rng, 60).values():
+        owners = spatial_owners(coords, grid)
+        index = np.stack(np.unravel_index(owners, grid), axis=1)
+        for axis in range(3):
+            # within each group of the previous axes, cuts are ordered along this axis
+            outer = np.ravel_multi_index(index[:, :axis].T, grid[:axis]) if axis else 0
+            outer = np.broadcast_to(outer, owners.shape)
+            for group in np.unique(outer):
+                sel = outer == group
+                for part in range(grid[axis] - 1):
+                    below = coords.s[sel & (index[:, axis] == part), axis]
+                    above = coords.s[sel & (index[:, axis] > part), axis]
+                    assert below.max() <= above.min()
+
+
+@pytest.mark.parametrize("grid", [(4, 1, 1), (2, 2, 2), (1, 1, 5)])
+@pytest.mark.parametrize("n_atoms", [0, 1, 3])
+def test_spatial_owners_more_ranks_than_atoms(grid: tuple[int, int, int], n_atoms: int) -> None:
+    """Fewer atoms than ranks: some ranks are empty, nothing crashes."""
+    rng = np.random.default_rng(9)
+    for coords in _systems(rng, n_atoms).values():
+        _assert_balanced(spatial_owners(coords, grid), n_atoms, int(np.prod(grid)))
+
+
+@pytest.mark.parametrize("n_ranks", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("n_atoms", [0, 1, 2, 5, 17, 64])
+def test_contiguous_owners(n_atoms: int, n_ranks: int) -> None:
+    """Index blocks in rank order with sizes within one of each other."""
+    owners = contiguous_owners(n_atoms, n_ranks)
+    _assert_balanced(owners, n_atoms, n_ranks)
+    assert np.all(np.diff(owners) >= 0)
+
+
+# ------------------------------------------------------------------- halo
+
+
+def _halo_case(seed: int, pbc: np.ndarray, n_atoms: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random triclinic cell with one short axis; atoms spread over several images.
+
+    Non-periodic cell vectors are zeroed for odd seeds.
+    """
+    rng = np.random.default_rng(seed)
+    lengths = rng.permutation([2.5, 5.0, 7.0])
+    full = _triclinic(rng, lengths)
+    positions = rng.uniform(-1.0, 2.0, (n_atoms, 3)) @ full
+    cell = full.copy()
+    if seed % 2:
+        cell[~pbc] = 0.0
+    return positions, cell
+
+
+def _expected_halo(
+    positions: np.ndarray, cell: np.ndarray, pbc: np.ndarray, centres: np.ndarray, width: float
+) -> set[tuple[int, ...]]:
+    """Brute force: every (id, shift) image within ``width`` of some centre."""
+    if len(centres) == 0:
+        return set()
+    if pbc.any():
+        frac = _periodic_fractions(positions, cell, pbc)
+        spacing = 1.0 / np.linalg.norm(np.linalg.pinv(cell[pbc]), axis=0)
+        reach = int(np.ceil(width / spacing.min())) + 2
+    else:
+        frac = np.zeros((len(positions), 0))
+        reach = 0
+    base = np.zeros((len(positions), 3), dtype=np.int64)
+    base[:, pbc] = -np.floor(frac)  # shift that puts each atom in the home cell
+    expected = set()
+    offsets = [range(-reach, reach + 1) if p else range(1) for p in pbc]
+    for offset in itertools.product(*offsets):
+        shift = base + np.array(offset)
+        images = positions + shift @ cell
+        dist = np.linalg.norm(images[:, None] - centres[None], axis=-1).min(axis=1)
+        hits = np.flatnonzero(dist <= width)
+        if len(hits) and reach and np.abs(offset).max() == reach:
+            raise AssertionError("oracle image range too small")
+        expected.update((int(i), *map(int, shift[i])) for i in hits)
+    return expected
+
+
+def _halo_params() -> list[tuple]:
+    params = []
+    for seed, pbc in enumerate(ALL_PBC):
+        for partition in ("spatial", "contiguous"):
+            for n_ranks in (1, 2, 3, 4):
+                params.append((seed, pbc, partition, n_ranks, 24))
+    params += [(11, (True,) * 3, "spatial", 4, 3), (12, (True, False, True), "contiguous", 4, 2)]
+    return params
+
+
+@pytest.mark.parametrize("seed, pbc, partition, n_ranks, n_atoms", _halo_params())
+def test_rank_rows_halo(
+    seed: int, pbc: tuple[bool, bool, bool], partition: str, n_ranks: int, n_atoms: int
+) -> None:
+    """Halo completeness and row bookkeeping with a halo wider than the short axis."""
+    pbc = np.array(pbc)
+    width = 4.5  # beyond the 2.5 Å axis: several images per atom are needed
+    positions, cell = _halo_case(seed, pbc, n_atoms)
+    coords = frame_coordinates(positions, cell, pbc)
+    if partition == "spatial":
+        grid = choose_grid(coords, pbc, n_ranks, width)
+        owners = spatial_owners(coords, grid)
+    else:
+        owners = contiguous_owners(n_atoms, n_ranks)
+    rows = rank_rows(coords, pbc, owners, n_ranks, width)
+    assert len(rows) == n_ranks
+
+    owned_all = np.concatenate([r.ids[: r.n_owned] for r in rows])
+    np.testing.assert_array_equal(np.sort(owned_all), np.arange(n_atoms))
+    for rank, r in enumerate(rows):
+        assert r.ids.dtype == np.int64 and r.image_shift.dtype == np.int64
+        assert r.image_shift.shape == (len(r.ids), 3)
+        assert np.all(r.image_shift[:, ~pbc] == 0)
+        mine = np.flatnonzero(owners == rank)
+        np.testing.assert_array_equal(np.sort(r.ids[: r.n_owned]), mine)
+        if len(mine) == 0:
+            assert len(r.ids) == 0
+            continue
+        keys = [(int(i), *map(int, n)) for i, n in zip(r.ids, r.image_shift, strict=True)]
+        assert len(set(keys)) == len(keys), "duplicate (id, shift) rows"
+
+        row_pos = positions[r.ids] + r.image_shift @ cell
+        owned_pos = row_pos[: r.n_owned]
+        if pbc.any():
+            frac = _periodic_fractions(owned_pos, cell, pbc)
+            assert np.all(frac > -1e-12) and np.all(frac < 1.0 + 1e-12)
+        missing = _expected_halo(positions, cell, pbc, owned_pos, width) - set(keys)
+        assert not missing, f"rank {rank} lacks images {sorted(missing)[:5]}"
+
+
+def test_rank_rows_empty_system() -> None:
+    """No atoms: every rank gets no rows."""
+    pbc = np.ones(3, bool)
+    coords = frame_coordinates(np.zeros((0, 3)), np.eye(3) * 5.0, pbc)
+    rows = rank_rows(coords, pbc, np.zeros(0, np.int64), 3, 2.0)
+    assert [len(r.ids) for r in rows] == [0, 0, 0]
+    assert [r.n_owned for r in rows] == [0, 0, 0]

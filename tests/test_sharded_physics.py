@@ -1,0 +1,134 @@
+"""Sharded results equal ASE's calculators and the serial path.
+
+These tests run at whatever rank count they are started with: plain pytest
+(one rank) and ``mpirun -n P python -m pytest --with-mpi`` (``make test`` runs
+P = 2, 3, 4).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from ase import Atoms
+from ase.calculators.fd import calculate_numerical_stress
+from ase.calculators.lj import LennardJones as AseLennardJones
+from oracles import ase_results, evaluate_periodic_graph, relative_errors
+from sharded import COMM, assert_identical_on_all_ranks, random_gas, results, serial_comm
+from systems import CASES
+from toy_models import ToyMessagePassing
+
+from ase_shard import ShardedCalculator
+from ase_shard.models import LennardJones
+from ase_shard.partition import PARTITIONS
+
+RTOL = 1e-10
+
+
+def _assert_close(got: dict, ref: dict, rtol: float = RTOL) -> None:
+    errors = relative_errors(got, ref)
+    assert all(err <= rtol for err in errors.values()), errors
+
+
+@pytest.mark.parametrize("partition", PARTITIONS)
+@pytest.mark.parametrize("case_name", sorted(CASES))
+def test_matches_ase(case_name: str, partition: str) -> None:
+    case = CASES[case_name]
+    atoms = case.make_atoms()
+    before = atoms.copy()
+    atoms.calc = ShardedCalculator(case.make_model(), partition=partition)
+    got = results(atoms)
+
+    _assert_close(got, ase_results(case.make_ase_calc(), atoms, case.has_stresses))
+    assert_identical_on_all_ranks(got)
+    # the caller's Atoms keep their order and values
+    assert (atoms.positions == before.positions).all()
+    assert (atoms.numbers == before.numbers).all()
+    if "stress" in got:
+        np.testing.assert_allclose(got["stresses"].sum(axis=0), got["stress"], atol=1e-14)
+    else:
+        assert atoms.cell.rank < 3
+
+
+@pytest.mark.parametrize("case_name", ["ar_triclinic_lj_smooth", "pt111_slab_emt"])
+def test_stress_matches_finite_differences(case_name: str) -> None:
+    case = CASES[case_name]
+    atoms = case.make_atoms()
+    atoms.calc = ShardedCalculator(case.make_model())
+    analytic = atoms.get_stress()
+    numerical = calculate_numerical_stress(atoms, eps=1e-6)
+    assert np.abs(analytic - numerical).max() <= 1e-6 * np.abs(analytic).max()
+
+
+def test_explicit_grids_agree() -> None:
+    case = CASES["cu_bulk_emt"]
+    atoms = case.make_atoms()
+    grids = {(COMM.size, 1, 1), (1, COMM.size, 1), (1, 1, COMM.size)}
+    reference = ase_results(case.make_ase_calc(), atoms)
+    for grid in sorted(grids):
+        atoms.calc = ShardedCalculator(case.make_model(), grid=grid)
+        _assert_close(results(atoms), reference)
+
+
+@pytest.mark.parametrize("partition", PARTITIONS)
+@pytest.mark.parametrize(
+    "pbc", [(True, True, True), (True, True, False), (False, False, False)], ids=str
+)
+def test_message_passing_equals_serial(pbc, partition: str) -> None:
+    """A 3-layer model is exact: the halo covers the receptive field."""
+    atoms = random_gas(pbc)
+    model = ToyMessagePassing(num_layers=3)
+    oracle = evaluate_periodic_graph(model, atoms)
+    atoms.calc = ShardedCalculator(model, partition=partition)
+    got = results(atoms)
+    _assert_close(got, {k: oracle[k] for k in ("energy", "energies", "forces")})
+    if "stress" in oracle:
+        _assert_close({"stress": got["stress"]}, {"stress": oracle["stress"]})
+
+    serial = atoms.copy()
+    serial.calc = ShardedCalculator(model, comm=serial_comm())
+    _assert_close(got, results(serial))
+    assert_identical_on_all_ranks(got)
+
+
+def test_halo_one_cutoff_too_thin_is_wrong() -> None:
+    """Declaring one layer fewer than the model runs gives wrong forces."""
+    atoms = random_gas((True, True, True))
+    oracle = evaluate_periodic_graph(ToyMessagePassing(num_layers=3), atoms)
+    liar = ToyMessagePassing(num_layers=3)
+    liar.num_layers = 2
+    atoms.calc = ShardedCalculator(liar, skin=0.0)
+    errors = relative_errors(results(atoms), {"forces": oracle["forces"]})
+    assert errors["forces"] > 1e-5
+
+
+@pytest.mark.parametrize("partition", PARTITIONS)
+@pytest.mark.parametrize("n_atoms", [1, 3])
+def test_more_ranks_than_atoms(n_atoms: int, partition: str) -> None:
+    """Ranks that own nothing take part and the result is still exact."""
+    positions = [[0.0, 0.0, 0.0], [1.1, 0.0, 0.0], [0.3, 1.0, 0.2]][:n_atoms]
+    for atoms in (
+        Atoms("Ar" * n_atoms, positions=positions),
+        Atoms("Ar" * n_atoms, positions=positions, cell=[2.5, 2.6, 2.7], pbc=True),
+    ):
+        params = {"sigma": 1.0, "epsilon": 1.0, "rc": 3.0}
+        atoms.calc = ShardedCalculator(LennardJones(**params), partition=partition)
+        got = results(atoms)
+        _assert_close(got, ase_results(AseLennardJones(**params), atoms, stresses=True))
+        assert_identical_on_all_ranks(got)
+
+
+def test_decomposition_is_reused_within_the_skin() -> None:
+    case = CASES["ar_triclinic_lj"]
+    atoms = case.make_atoms()
+    calc = ShardedCalculator(case.make_model(), skin=1.0)
+    atoms.calc = calc
+    ase_calc = case.make_ase_calc()
+    rng = np.random.default_rng(42)
+    for step in range(3):
+        # each atom moves < skin / 2 from the first build
+        atoms.positions += rng.uniform(-0.1, 0.1, atoms.positions.shape)
+        _assert_close(results(atoms), ase_results(ase_calc, atoms, stresses=True))
+        assert calc.rebuilds == 1, step
+    atoms.positions[0] += [0.6, 0.0, 0.0]
+    _assert_close(results(atoms), ase_results(ase_calc, atoms, stresses=True))
+    assert calc.rebuilds == 2
