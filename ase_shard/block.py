@@ -14,7 +14,8 @@ from ase_shard.neighbors import neighbor_pairs
 
 # Columns of the per-row result: owned energy, force (3), virial Voigt (6).
 RESULT_COLUMNS = 10
-_VOIGT = ((0, 0), (1, 1), (2, 2), (1, 2), (0, 2), (0, 1))
+_VOIGT_A = [0, 1, 2, 1, 0, 0]
+_VOIGT_B = [0, 1, 2, 2, 2, 1]
 
 
 class LocalBlock:
@@ -85,13 +86,14 @@ class LocalBlock:
             grad = torch.zeros_like(vectors64[within])
 
         n = positions.shape[0]
+        d = vectors64[within]
+        # symmetric edge virial in Voigt order, half to each endpoint
+        edge_virial = 0.25 * (
+            d[:, _VOIGT_A] * grad[:, _VOIGT_B] + d[:, _VOIGT_B] * grad[:, _VOIGT_A]
+        )
         rows = torch.zeros((n, RESULT_COLUMNS), dtype=torch.float64, device=self.device)
         rows[: self.n_owned, 0] = owned_energy.detach().to(torch.float64)
         # d = r_j - r_i, so dE/dr_j = g and dE/dr_i = -g; force is -dE/dr
-        rows[:, 1:4].index_add_(0, i, grad).index_add_(0, j, -grad)
-        d = vectors64[within]
-        edge_virial = torch.stack(
-            [0.25 * (d[:, a] * grad[:, b] + d[:, b] * grad[:, a]) for a, b in _VOIGT], dim=1
-        )
-        rows[:, 4:].index_add_(0, i, edge_virial).index_add_(0, j, edge_virial)
+        rows[:, 1:].index_add_(0, i, torch.cat([grad, edge_virial], dim=1))
+        rows[:, 1:].index_add_(0, j, torch.cat([-grad, edge_virial], dim=1))
         return rows
