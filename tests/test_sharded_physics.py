@@ -132,3 +132,26 @@ def test_decomposition_is_reused_within_the_skin() -> None:
     atoms.positions[0] += [0.6, 0.0, 0.0]
     _assert_close(results(atoms), ase_results(ase_calc, atoms, stresses=True))
     assert calc.rebuilds == 2
+
+
+def test_ase_world_is_the_mpi_world() -> None:
+    from ase.parallel import world
+
+    assert (world.rank, world.size) == (COMM.rank, COMM.size)
+
+
+def test_trajectory_written_by_rank_zero(tmp_path) -> None:
+    """Trajectory asks for cached results on rank 0 only: that must not block."""
+    from ase.io import Trajectory, read
+
+    path = COMM.bcast(str(tmp_path / "run.traj"))
+    case = CASES["pt111_slab_emt"]
+    atoms = case.make_atoms()
+    atoms.calc = ShardedCalculator(case.make_model())
+    forces = atoms.get_forces()
+    with Trajectory(path, "w") as trajectory:
+        trajectory.write(atoms)
+    COMM.allgather(None)  # rank 0 has closed the file
+    written = read(path)
+    np.testing.assert_array_equal(written.get_forces(), forces)
+    assert written.calc.parameters["partition"] == "spatial"
