@@ -229,18 +229,26 @@ class ShardedCalculator(Calculator):
         return {"rebuild": rebuild_now, "counts": state["counts"], "cell": cell.tolist()}
 
     def _moved_too_far(self, atoms: Atoms, state: dict) -> bool:
+        """Whether some row may have moved more than ``skin / 2`` since the build.
+
+        A row sits at ``r + image_shift @ cell``, so a cell change (NPT) moves
+        it by up to ``sum_k |image_shift_k| |delta cell_k|`` on top of the
+        atom's own displacement.
+        """
         reference = state["atoms"]
         if (
             len(atoms) != len(reference)
             or (atoms.numbers != reference.numbers).any()
             or (atoms.pbc != reference.pbc).any()
-            or (atoms.cell.array != reference.cell.array).any()
         ):
             return True
         if len(atoms) == 0:
             return False
-        displacement2 = ((atoms.positions - reference.positions) ** 2).sum(axis=1).max()
-        return bool(displacement2 > (0.5 * self.skin) ** 2)
+        displacement = np.sqrt(((atoms.positions - reference.positions) ** 2).sum(axis=1).max())
+        strain = state["shift_reach"] @ np.linalg.norm(
+            atoms.cell.array - reference.cell.array, axis=1
+        )
+        return bool(displacement + strain > 0.5 * self.skin)
 
     def _build_layout(self, atoms: Atoms) -> dict:
         comm = self.comm
@@ -254,7 +262,9 @@ class ShardedCalculator(Calculator):
             owners = contiguous_owners(len(atoms), comm.size)
         layout = rank_rows(coords, pbc, owners, comm.size, width)
         ids = np.concatenate([r.ids for r in layout])
+        shifts = np.concatenate([r.image_shift for r in layout])
         return {
+            "shift_reach": np.abs(shifts).max(axis=0) if len(shifts) else np.zeros(3),
             "atoms": atoms.copy(),
             "layout": layout,
             "ids": ids,
