@@ -6,6 +6,7 @@ init_mpi()  # before ASE fixes ase.parallel.world
 
 from ase_shard.calculator import ShardedCalculator  # noqa: E402
 from ase_shard.graph import LocalGraph, ShardModel  # noqa: E402
+from ase_shard.worker import serve, spawn  # noqa: E402
 
-__all__ = ["ShardedCalculator", "LocalGraph", "ShardModel"]
+__all__ = ["ShardedCalculator", "LocalGraph", "ShardModel", "serve", "spawn"]
 __version__ = "0.1.0"

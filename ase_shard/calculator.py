@@ -16,7 +16,7 @@ from ase import Atoms
 from ase.calculators.calculator import Calculator, all_changes
 
 from ase_shard.block import RESULT_COLUMNS, LocalBlock
-from ase_shard.comm import Comm, describe, rebuild
+from ase_shard.comm import CALCULATE, CLOSE, Comm, describe, rebuild
 from ase_shard.graph import ShardModel, model_dtype, receptive_field
 from ase_shard.halo import rank_rows
 from ase_shard.partition import (
@@ -107,6 +107,10 @@ class ShardedCalculator(Calculator):
             model=type(model).__name__,
         )
         self.rebuilds = 0
+        # set by ase_shard.worker: rank 0 drives, the other ranks serve
+        self._driven = False
+        self._idle_root = False
+        self._on_close: list = []
         self._block: LocalBlock | None = None
         self._counts: list | None = None  # (rows, owned) per rank
         self._root_state: dict | None = None  # rank 0: layout of the last build
@@ -115,9 +119,29 @@ class ShardedCalculator(Calculator):
     def skin(self) -> float:
         return self.parameters["skin"]
 
+    @property
+    def decomposition(self) -> dict | None:
+        """Rank 0: the current layout, for inspection and plots (``None`` elsewhere).
+
+        ``owners`` is the owner rank of every atom; ``ghosts[r]`` holds rank
+        ``r``'s ghost rows as ``(ids, image_shift)``: the ghost sits at
+        ``positions[ids] + image_shift @ cell``.
+        """
+        state = self._root_state
+        if state is None:
+            return None
+        owners = np.empty(len(state["atoms"]), dtype=np.int64)
+        ghosts = []
+        for rank, rows in enumerate(state["layout"]):
+            owners[rows.ids[: rows.n_owned]] = rank
+            ghosts.append((rows.ids[rows.n_owned :], rows.image_shift[rows.n_owned :]))
+        return {"owners": owners, "ghosts": ghosts}
+
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes):
         Calculator.calculate(self, atoms, properties, system_changes)
         atoms = self.atoms
+        if self._driven:
+            self.comm.bcast(CALCULATE)
         try:
             self._calculate(atoms)
         except BaseException:
@@ -125,7 +149,8 @@ class ShardedCalculator(Calculator):
             self._block = self._counts = self._root_state = None
             raise
 
-    def _calculate(self, atoms: Atoms) -> None:
+    def _calculate(self, atoms: Atoms | None) -> None:
+        """One collective evaluation; ``atoms`` is ``None`` on serving ranks."""
         comm = self.comm
         plan = self._agree_on_system(atoms)
         rebuild_now, counts, cell = plan["rebuild"], plan["counts"], np.array(plan["cell"])
@@ -181,9 +206,11 @@ class ShardedCalculator(Calculator):
         status = comm.bcast(status)
         if status:
             raise rebuild(status)
-        if buffer is None:
-            buffer = np.empty(self._result_size(atoms))
-        self._store(atoms, comm.bcast_array(buffer))
+        n_atoms = plan["n_atoms"]
+        size = 1 + 4 * n_atoms + (6 + 6 * n_atoms if plan["stress"] else 0)
+        buffer = comm.bcast_array(buffer if buffer is not None else np.empty(size))
+        if atoms is not None:
+            self._store(atoms, buffer)
 
     def _agree_on_system(self, atoms: Atoms) -> dict:
         """Validate, decide on a rebuild and plan it on rank 0; agree everywhere.
@@ -198,7 +225,7 @@ class ShardedCalculator(Calculator):
                 plan = self._plan(atoms)
             except Exception as exc:
                 error = describe(exc, 0)
-        mine = fingerprint(atoms) if comm.size > 1 else None
+        mine = fingerprint(atoms) if comm.size > 1 and not self._driven else None
         views = comm.allgather((mine, error, plan))
         root_print, root_error, plan = views[0]
         if root_error is not None:
@@ -226,7 +253,13 @@ class ShardedCalculator(Calculator):
         if rebuild_now:
             state = self._build_layout(atoms)
             self._root_state = state
-        return {"rebuild": rebuild_now, "counts": state["counts"], "cell": cell.tolist()}
+        return {
+            "rebuild": rebuild_now,
+            "counts": state["counts"],
+            "cell": cell.tolist(),
+            "n_atoms": len(atoms),
+            "stress": atoms.cell.rank == 3,
+        }
 
     def _moved_too_far(self, atoms: Atoms, state: dict) -> bool:
         """Whether some row may have moved more than ``skin / 2`` since the build.
@@ -255,11 +288,14 @@ class ShardedCalculator(Calculator):
         pbc = atoms.pbc.copy()
         coords = frame_coordinates(atoms.positions, atoms.cell.array, pbc)
         width = receptive_field(self.model) + self.skin
+        # a driving rank 0 that only runs ASE (notebook mode) owns nothing
+        first = int(self._idle_root)
+        n_compute = comm.size - first
         if self.parameters["partition"] == "spatial":
-            grid = self.parameters["grid"] or choose_grid(coords, pbc, comm.size, width)
-            owners = spatial_owners(coords, tuple(grid))
+            grid = self.parameters["grid"] or choose_grid(coords, pbc, n_compute, width)
+            owners = spatial_owners(coords, tuple(grid)) + first
         else:
-            owners = contiguous_owners(len(atoms), comm.size)
+            owners = contiguous_owners(len(atoms), n_compute) + first
         layout = rank_rows(coords, pbc, owners, comm.size, width)
         ids = np.concatenate([r.ids for r in layout])
         shifts = np.concatenate([r.image_shift for r in layout])
@@ -272,10 +308,6 @@ class ShardedCalculator(Calculator):
             "splits": np.cumsum([len(r.ids) for r in layout])[:-1],
             "counts": [(len(r.ids), r.n_owned) for r in layout],
         }
-
-    def _result_size(self, atoms: Atoms) -> int:
-        n = len(atoms)
-        return 1 + 4 * n + (6 + 6 * n if atoms.cell.rank == 3 else 0)
 
     def _assemble(self, atoms: Atoms, gathered: np.ndarray) -> np.ndarray:
         """Rank 0: sum every rank's rows into owners; pack the results."""
@@ -299,3 +331,21 @@ class ShardedCalculator(Calculator):
         if atoms.cell.rank == 3:
             self.results["stress"] = buffer[1 + 4 * n : 7 + 4 * n].copy()
             self.results["stresses"] = buffer[7 + 4 * n :].reshape(n, 6).copy()
+
+    def close(self) -> None:
+        """Release the serving ranks (worker/notebook mode); safe to call twice.
+
+        In SPMD mode there is nothing to release.
+        """
+        if self._driven and self.comm.is_root:
+            self._driven = False
+            self.comm.bcast(CLOSE)
+            for release in self._on_close:
+                release()
+            self._on_close.clear()
+
+    def __enter__(self) -> ShardedCalculator:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

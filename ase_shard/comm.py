@@ -38,6 +38,11 @@ def init_mpi() -> None:
             pass
 
 
+# Commands rank 0 broadcasts to serving ranks (worker and notebook modes).
+CALCULATE = "calculate"
+CLOSE = "close"
+
+
 class CollectiveError(RuntimeError):
     """An error raised on some rank that could not be re-created by type."""
 

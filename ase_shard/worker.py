@@ -1,0 +1,151 @@
+"""Worker mode: rank 0 alone runs ASE while the other ranks serve.
+
+Two ways in:
+
+- ``serve(model, ...)`` under ``mpirun``: rank 0 gets a calculator to drive,
+  every other rank serves inside the call until rank 0 closes it.
+- ``spawn(model, workers=N, ...)`` from a plain Python or Jupyter process:
+  starts N local worker ranks through MPI spawn (no mpirun needed) and returns
+  a calculator that drives them; the notebook process itself computes nothing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ase_shard.calculator import ShardedCalculator
+from ase_shard.comm import CALCULATE
+
+_ROOT_VARIABLES = (
+    "OMPI_ALLOW_RUN_AS_ROOT",
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM",
+    "PRTE_ALLOW_RUN_AS_ROOT",
+    "PRTE_ALLOW_RUN_AS_ROOT_CONFIRM",
+)
+
+
+def serve(model: torch.nn.Module, **kwargs: Any) -> ShardedCalculator | None:
+    """Split an ``mpirun`` job into one driving rank and serving ranks.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The potential (see :class:`ase_shard.graph.ShardModel`).
+    **kwargs
+        Passed to :class:`ShardedCalculator` (identical on every rank).
+
+    Returns
+    -------
+    ShardedCalculator on rank 0; ``None`` on the other ranks once rank 0 has
+    closed the calculator (``calc.close()``, ``with calc:`` or interpreter exit).
+
+    ASE's ``world`` becomes a one-rank communicator in every process, so ASE
+    drivers on rank 0 do not broadcast into ranks that are serving.
+    """
+    calc = ShardedCalculator(model, **kwargs)
+    _isolate_ase_world()
+    return _drive_or_serve(calc)
+
+
+def spawn(model: torch.nn.Module, workers: int = 2, **kwargs: Any) -> ShardedCalculator:
+    """Start ``workers`` local MPI ranks that evaluate ``model`` for this process.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Sent to the workers (pickled with ``torch.save``).
+    workers : int
+        Number of ranks to start; this process drives and computes nothing.
+    **kwargs
+        Passed to :class:`ShardedCalculator` on every rank; ``grid`` must
+        multiply to ``workers``.
+
+    Returns
+    -------
+    ShardedCalculator whose ``close()`` (also ``with calc:`` and interpreter
+    exit) stops the workers.
+    """
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, not {workers}")
+    _prepare_spawn_environment()
+    from mpi4py import MPI
+
+    intercomm = MPI.COMM_SELF.Spawn(
+        sys.executable,
+        args=["-c", "from ase_shard.worker import worker_main; worker_main()"],
+        maxprocs=workers,
+    )
+    comm = intercomm.Merge(high=False)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    comm.bcast((buffer.getvalue(), kwargs), root=0)
+    calc = _spawned_calculator(model, comm, kwargs)
+
+    def release() -> None:
+        comm.Free()
+        intercomm.Disconnect()
+
+    calc._on_close.append(release)
+    return _drive_or_serve(calc)
+
+
+def _spawned_calculator(model, comm, kwargs: dict) -> ShardedCalculator:
+    grid = kwargs.pop("grid", None)
+    calc = ShardedCalculator(model, comm=comm, **kwargs)
+    if grid is not None:
+        grid = [int(p) for p in grid]
+        if len(grid) != 3 or grid[0] * grid[1] * grid[2] != comm.Get_size() - 1:
+            raise ValueError(f"grid {grid} does not multiply to {comm.Get_size() - 1} workers")
+        calc.parameters["grid"] = grid
+    calc._idle_root = True
+    return calc
+
+
+def _drive_or_serve(calc: ShardedCalculator) -> ShardedCalculator | None:
+    calc._driven = True
+    if calc.comm.is_root:
+        atexit.register(calc.close)
+        return calc
+    while calc.comm.bcast(None) == CALCULATE:
+        try:
+            calc._calculate(None)
+        except Exception:
+            pass  # rank 0 raises the same error; keep serving
+    return None
+
+
+def _isolate_ase_world() -> None:
+    from ase.parallel import DummyMPI, world
+
+    world.comm = DummyMPI()
+
+
+def _prepare_spawn_environment() -> None:
+    """Let a singleton Open MPI process find ``prte`` and, as root, run at all."""
+    bin_dir = Path(sys.executable).parent
+    if shutil.which("prte") is None and (bin_dir / "prte").exists():
+        os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        for name in _ROOT_VARIABLES:
+            os.environ.setdefault(name, "1")
+
+
+def worker_main() -> None:
+    """Entry point of a spawned worker: serve the parent until it closes."""
+    from mpi4py import MPI
+
+    parent = MPI.Comm.Get_parent()
+    comm = parent.Merge(high=True)
+    payload, kwargs = comm.bcast(None, root=0)
+    model = torch.load(io.BytesIO(payload), weights_only=False)
+    _drive_or_serve(_spawned_calculator(model, comm, kwargs))
+    comm.Free()
+    parent.Disconnect()
