@@ -1,0 +1,76 @@
+"""Run the example scripts with plain ``python`` and check what they print.
+
+The scripts run as subprocesses (one rank, no mpirun) exactly as a user would
+start them; the MPI runs of the same code are covered by ``make demo`` and the
+``tests/test_sharded_*.py`` suites under mpirun.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+FLOAT = r"[-+]?\d+\.?\d*(?:[eE][-+]?\d+)?"
+
+
+def run_example(name: str, *args: str, timeout: float = 120) -> str:
+    """stdout of ``python examples/<name> args``; fails the test on error or timeout."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # a plain one-rank run: hide any launcher variables inherited from mpirun
+    for key in list(env):
+        if key.startswith(("OMPI_", "PMI_", "PMIX_", "PRTE_")):
+            env.pop(key)
+    try:
+        done = subprocess.run(
+            [sys.executable, str(EXAMPLES / name), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            cwd=EXAMPLES.parent,
+        )
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"{name} did not finish within {timeout} s:\n{error.stdout}\n{error.stderr}")
+    assert done.returncode == 0, f"{name} failed:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def test_custom_model_forces_match_finite_difference():
+    out = run_example("custom_model.py")
+    assert "1 MPI rank(s)" in out
+    energy = re.search(rf"energy: ({FLOAT}) eV", out)
+    assert energy and abs(float(energy.group(1))) > 0
+    net = re.search(rf"sum of forces: ({FLOAT}) eV/Å", out)
+    assert net and float(net.group(1)) < 1e-10
+    check = re.search(
+        rf"autograd ({FLOAT}) eV/Å, numeric ({FLOAT}) eV/Å, \|difference\| ({FLOAT}) eV/Å", out
+    )
+    assert check, out
+    autograd, numeric, difference = (float(x) for x in check.groups())
+    assert abs(autograd) > 1e-4  # a real force, not a trivially zero one
+    assert difference < 1e-7 * max(1.0, abs(autograd))
+    assert abs(autograd - numeric) < 1e-7
+
+
+def test_md_demo_conserves_energy_and_reports():
+    out = run_example("md_cu.py", "--size", "3", "--steps", "20", "--print-every", "5")
+    assert "108 atoms on 1 MPI rank(s)" in out
+    assert "model EMT" in out
+    # header + one line per 5 steps, ending on step 20
+    steps = [int(m.group(1)) for m in re.finditer(rf"^\s+(\d+)\s+{FLOAT}\s", out, re.M)]
+    assert steps == [0, 5, 10, 15, 20]
+    drift = re.search(rf"energy drift: ({FLOAT}) eV/atom over 40 fs", out)
+    assert drift, out
+    assert abs(float(drift.group(1))) < 1e-3
+    summary = re.search(
+        rf"performance: ({FLOAT}) steps/s, {FLOAT} s wall, 1 rank\(s\), (\d+) decomposition", out
+    )
+    assert summary, out
+    assert float(summary.group(1)) > 0
+    assert int(summary.group(2)) >= 1
