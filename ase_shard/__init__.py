@@ -5,8 +5,16 @@ from ase_shard.comm import init_mpi
 init_mpi()  # before ASE fixes ase.parallel.world
 
 from ase_shard.calculator import ShardedCalculator  # noqa: E402
+from ase_shard.comm import CollectiveError  # noqa: E402
 from ase_shard.graph import LocalGraph, ShardModel  # noqa: E402
 from ase_shard.worker import serve, spawn  # noqa: E402
 
-__all__ = ["ShardedCalculator", "LocalGraph", "ShardModel", "serve", "spawn"]
+__all__ = [
+    "CollectiveError",
+    "LocalGraph",
+    "ShardModel",
+    "ShardedCalculator",
+    "serve",
+    "spawn",
+]
 __version__ = "0.1.0"

@@ -7,6 +7,7 @@ evaluate each rank's block, and gather/broadcast the results.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,7 +18,7 @@ from ase.calculators.calculator import Calculator, all_changes
 
 from ase_shard.block import RESULT_COLUMNS, LocalBlock
 from ase_shard.comm import CALCULATE, CLOSE, Comm, describe, rebuild
-from ase_shard.graph import ShardModel, model_dtype, receptive_field
+from ase_shard.graph import ShardModel, model_digest, model_dtype, receptive_field
 from ase_shard.halo import rank_rows
 from ase_shard.partition import (
     PARTITIONS,
@@ -29,9 +30,16 @@ from ase_shard.partition import (
 from ase_shard.system import differing_fields, fingerprint, validate
 
 
-def select_device(device: Any, comm: Comm) -> torch.device:
-    """``device`` if given, else ``cuda:<node-local rank % GPUs>`` or CPU."""
-    node_rank = comm.node_rank()
+def place_rank(device: Any, comm: Comm) -> torch.device:
+    """This rank's device, and its share of the node's cores.
+
+    ``device`` if given, else ``cuda:<node-local rank % GPUs>`` when CUDA is
+    available, else CPU. Without ``OMP_NUM_THREADS``, torch would start one
+    thread per core in every rank; ranks sharing a node split the cores instead.
+    """
+    node_rank, node_size = comm.node_placement()
+    if node_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // node_size))
     if device is not None:
         return torch.device(device)
     if torch.cuda.is_available():
@@ -94,11 +102,18 @@ class ShardedCalculator(Calculator):
             grid = tuple(int(p) for p in grid)
             if len(grid) != 3 or int(np.prod(grid)) != self.comm.size:
                 raise ValueError(f"grid {grid} does not multiply to {self.comm.size} ranks")
-        self.device = select_device(device, self.comm)
+        self.device = place_rank(device, self.comm)
         self.dtype = dtype or model_dtype(model)
         if self.dtype not in (torch.float32, torch.float64):
             raise ValueError(f"dtype must be torch.float32 or torch.float64, not {self.dtype}")
         self.model = model.to(device=self.device, dtype=self.dtype)
+        digests = self.comm.allgather(model_digest(self.model))
+        differing = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
+        if differing:
+            raise ValueError(
+                f"the model's parameters on ranks {differing} differ from rank 0's: build "
+                "it identically on every rank (same seed or the same checkpoint)"
+            )
         # parameters stay JSON-encodable so Trajectory can write them
         self.parameters.update(
             skin=float(skin),

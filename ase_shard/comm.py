@@ -123,15 +123,15 @@ class Comm:
             self.mpi.Gatherv(rows, None, root=0)
         return recv
 
-    def node_rank(self) -> int:
-        """Rank among the processes that share this node."""
+    def node_placement(self) -> tuple[int, int]:
+        """``(rank, size)`` among the processes of this communicator on this node."""
         if self.mpi is None:
-            return 0
+            return 0, 1
         from mpi4py import MPI
 
         local = self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         try:
-            return local.Get_rank()
+            return local.Get_rank(), local.Get_size()
         finally:
             local.Free()
 

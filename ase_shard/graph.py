@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -70,3 +71,13 @@ def model_dtype(model: torch.nn.Module) -> torch.dtype:
         if tensor.is_floating_point():
             return tensor.dtype
     return torch.float64
+
+
+def model_digest(model: torch.nn.Module) -> str:
+    """Digest of the model's parameters and buffers (names, dtypes and values)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(str(tensor.dtype).encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()

@@ -126,3 +126,11 @@ def test_empty_atoms() -> None:
     assert atoms.get_potential_energy() == 0.0
     assert atoms.get_forces().shape == (0, 3)
     assert (atoms.get_stress() == 0.0).all()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_with_different_model_weights() -> None:
+    from toy_models import ToyMessagePassing
+
+    with pytest.raises(ValueError, match=r"parameters on ranks \[1"):
+        ShardedCalculator(ToyMessagePassing(seed=COMM.rank))

@@ -1,0 +1,116 @@
+"""Worker mode (serve under mpirun) and notebook mode (spawn), with clean shutdown.
+
+Each case runs in its own process tree under a timeout, then checks that no
+worker process is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+ENV = {
+    **os.environ,
+    "OMPI_ALLOW_RUN_AS_ROOT": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    "OMP_NUM_THREADS": "1",
+}
+# a spawned worker's command line names this function
+WORKER_MARK = "worker_main"
+
+SPAWN_SCRIPT = """
+import numpy as np
+import ase_shard
+from ase.build import bulk
+from ase.calculators.emt import EMT as AseEMT
+from ase_shard.models import EMT
+
+calc = ase_shard.spawn(EMT(), workers=2)
+atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(3)
+atoms.rattle(0.05, seed=1)
+atoms.calc = calc
+reference = atoms.copy()
+reference.calc = AseEMT()
+error = np.abs(atoms.get_forces() - reference.get_forces()).max()
+owners = calc.decomposition["owners"]
+print(f"ranks={{calc.comm.size}} error={{error:.1e}} owners={{sorted(set(owners.tolist()))}}")
+{finish}
+"""
+
+
+def _leftover_workers() -> list[str]:
+    listing = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in listing.splitlines() if WORKER_MARK in line and "ps -eo" not in line]
+
+
+def _run(args: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
+    done = subprocess.run(args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def _assert_no_orphans() -> None:
+    deadline = time.monotonic() + 20
+    while _leftover_workers() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _leftover_workers()
+
+
+def test_serve_under_mpirun() -> None:
+    ranks = 3
+    done = _run(
+        [
+            str(BIN / "mpirun"),
+            "--oversubscribe",
+            "-n",
+            str(ranks),
+            sys.executable,
+            "examples/worker_mode.py",
+            "--size",
+            "3",
+            "--steps",
+            "10",
+        ]
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("ranks=")]
+    assert lines == [lines[0]] and lines[0].startswith(f"ranks={ranks} atoms=108")
+    drift = float(lines[0].split("drift=")[1].split()[0])
+    assert abs(drift) < 1e-3
+
+
+def test_serve_releases_workers_at_exit_without_close(tmp_path: Path) -> None:
+    script = tmp_path / "no_close.py"
+    script.write_text(
+        textwrap.dedent("""
+        import ase_shard
+        from ase.build import bulk
+        from ase_shard.models import EMT
+        calc = ase_shard.serve(EMT())
+        if calc is not None:
+            atoms = bulk("Cu", cubic=True).repeat(2)
+            atoms.calc = calc
+            print("energy", atoms.get_potential_energy())
+    """)
+    )
+    done = _run([str(BIN / "mpirun"), "--oversubscribe", "-n", "3", sys.executable, str(script)])
+    assert done.stdout.count("energy") == 1
+
+
+@pytest.mark.parametrize("finish", ["calc.close()", ""], ids=["close", "exit"])
+def test_spawned_workers(tmp_path: Path, finish: str) -> None:
+    """Two spawned ranks compute exactly; close() or interpreter exit stops them."""
+    script = tmp_path / "spawn.py"
+    script.write_text(SPAWN_SCRIPT.format(finish=finish))
+    done = _run([sys.executable, str(script)])
+    assert "ranks=3" in done.stdout and "owners=[1, 2]" in done.stdout, done.stdout
+    error = float(done.stdout.split("error=")[1].split()[0])
+    assert error < 1e-10
+    _assert_no_orphans()
