@@ -134,3 +134,20 @@ def test_ranks_with_different_model_weights() -> None:
 
     with pytest.raises(ValueError, match=r"parameters on ranks \[1"):
         ShardedCalculator(ToyMessagePassing(seed=COMM.rank))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_unseeded_thermostat_is_named_not_hung() -> None:
+    """Each rank draws its own noise without a shared seed: a clear error, no hang."""
+    import warnings
+
+    from ase.md.langevinbaoab import LangevinBAOAB
+    from ase.units import fs
+
+    atoms = _cu()
+    atoms.calc = ShardedCalculator(EMT())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ASE warns that it seeded an rng itself
+        dynamics = LangevinBAOAB(atoms, timestep=2 * fs, temperature_K=300, T_tau=50 * fs)
+    with pytest.raises(ValueError, match=r"positions.*seed random numbers identically"):
+        dynamics.run(3)
