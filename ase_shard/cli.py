@@ -34,8 +34,8 @@ import numpy as np
 import torch
 from ase import Atoms, units
 from ase.build import bulk
-from ase.constraints import FixCom
 from ase.cluster import Icosahedron
+from ase.constraints import FixCom
 from ase.io import Trajectory, read
 from ase.md.langevin import Langevin
 from ase.md.logger import MDLogger
@@ -234,6 +234,8 @@ def run_md(args: argparse.Namespace) -> int:
         progress = Progress(args.steps, sys.stderr, live=sys.stderr.isatty())
     tracker = EnergyTracker(atoms, dyn, progress)
     with contextlib.ExitStack() as files:
+        if progress is not None:
+            files.callback(progress.close)  # ends the bar's line, also before an error message
         if args.trajectory:
             trajectory = files.enter_context(Trajectory(args.trajectory, "w", atoms))
             dyn.attach(trajectory.write, interval=args.interval)
@@ -244,8 +246,6 @@ def run_md(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         dyn.run(args.steps)
         wall = time.perf_counter() - start
-    if progress is not None:
-        progress.close()
     print_summary(atoms, args.steps, wall, calc.rebuilds, np.array(tracker.totals))
     return 0
 
