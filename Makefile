@@ -33,7 +33,8 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $@
 
 demo: $(STAMP)
-	$(GUARD) 900 $(MPIRUN) -n $(DEMO_RANKS) $(BIN)/python examples/md_cu.py
+	$(GUARD) 900 $(MPIRUN) -n $(DEMO_RANKS) $(BIN)/ase-shard md --system cu-bulk --size 9 \
+		--steps 200 --log - --interval 20
 
 lint: $(STAMP)
 	$(BIN)/ruff check ase_shard tests examples
