@@ -7,6 +7,7 @@ evaluate each rank's block, and gather/broadcast the results.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -28,6 +29,8 @@ from ase_shard.partition import (
     spatial_owners,
 )
 from ase_shard.system import differing_fields, fingerprint, validate
+
+logger = logging.getLogger(__name__)
 
 
 def place_rank(device: Any, comm: Comm) -> torch.device:
@@ -264,10 +267,22 @@ class ShardedCalculator(Calculator):
         validate(atoms, getattr(self.model, "atomic_types", None))
         cell = atoms.cell.array.copy()
         state = self._root_state
-        rebuild_now = state is None or self._moved_too_far(atoms, state)
+        reason = self._rebuild_reason(atoms, state)
+        rebuild_now = reason is not None
         if rebuild_now:
             state = self._build_layout(atoms)
             self._root_state = state
+            rows = [c[0] for c in state["counts"]]
+            owned = [c[1] for c in state["counts"]]
+            logger.info(
+                "rebuild %d (%s): owned atoms per rank %d-%d, rows per rank %d-%d",
+                self.rebuilds + 1,
+                reason,
+                min(owned),
+                max(owned),
+                min(rows),
+                max(rows),
+            )
         return {
             "rebuild": rebuild_now,
             "counts": state["counts"],
@@ -276,27 +291,32 @@ class ShardedCalculator(Calculator):
             "stress": atoms.cell.rank == 3,
         }
 
-    def _moved_too_far(self, atoms: Atoms, state: dict) -> bool:
-        """Whether some row may have moved more than ``skin / 2`` since the build.
+    def _rebuild_reason(self, atoms: Atoms, state: dict | None) -> str | None:
+        """Why the decomposition must be rebuilt, or ``None`` to reuse it.
 
-        A row sits at ``r + image_shift @ cell``, so a cell change (NPT) moves
-        it by up to ``sum_k |image_shift_k| |delta cell_k|`` on top of the
+        Reuse is safe while no row moved more than ``skin / 2`` since the
+        build. A row sits at ``r + image_shift @ cell``, so a cell change (NPT)
+        moves it by up to ``sum_k |image_shift_k| |delta cell_k|`` on top of the
         atom's own displacement.
         """
+        if state is None:
+            return "first call"
         reference = state["atoms"]
         if (
             len(atoms) != len(reference)
             or (atoms.numbers != reference.numbers).any()
             or (atoms.pbc != reference.pbc).any()
         ):
-            return True
+            return "atoms or pbc changed"
         if len(atoms) == 0:
-            return False
+            return None
         displacement = np.sqrt(((atoms.positions - reference.positions) ** 2).sum(axis=1).max())
         strain = state["shift_reach"] @ np.linalg.norm(
             atoms.cell.array - reference.cell.array, axis=1
         )
-        return bool(displacement + strain > 0.5 * self.skin)
+        if displacement + strain > 0.5 * self.skin:
+            return f"rows moved up to {displacement + strain:.3f} Å > skin/2"
+        return None
 
     def _build_layout(self, atoms: Atoms) -> dict:
         comm = self.comm
