@@ -37,7 +37,7 @@ demo: $(STAMP)
 		--steps 200 --log - --interval 20
 
 lint: $(STAMP)
-	$(BIN)/ruff check ase_shard tests examples
+	$(BIN)/ruff check ase_shard tests examples scripts
 
 test: lint
 	$(GUARD) 900 $(BIN)/python -m pytest -q

@@ -294,10 +294,12 @@ class ShardedCalculator(Calculator):
     def _rebuild_reason(self, atoms: Atoms, state: dict | None) -> str | None:
         """Why the decomposition must be rebuilt, or ``None`` to reuse it.
 
-        Reuse is safe while no row moved more than ``skin / 2`` since the
-        build. A row sits at ``r + image_shift @ cell``, so a cell change (NPT)
-        moves it by up to ``sum_k |image_shift_k| |delta cell_k|`` on top of the
-        atom's own displacement.
+        Reuse is safe while every pair now within the receptive field ``W`` was
+        within ``W + skin`` at the build. With the cell deformed by ``F`` (a
+        barostat) and each atom displaced by ``u_i`` beyond that affine map, a
+        pair vector changes by at most ``|F - I| |d0| + 2 max |u|``, which
+        gives the test ``(W |F - I| + 2 max |u|) / (1 - |F - I|) <= skin``.
+        Without a cell change this is the usual ``max |u| <= skin / 2``.
         """
         if state is None:
             return "first call"
@@ -310,12 +312,22 @@ class ShardedCalculator(Calculator):
             return "atoms or pbc changed"
         if len(atoms) == 0:
             return None
-        displacement = np.sqrt(((atoms.positions - reference.positions) ** 2).sum(axis=1).max())
-        strain = state["shift_reach"] @ np.linalg.norm(
-            atoms.cell.array - reference.cell.array, axis=1
-        )
-        if displacement + strain > 0.5 * self.skin:
-            return f"rows moved up to {displacement + strain:.3f} Å > skin/2"
+        cell, cell0 = atoms.cell.array, reference.cell.array
+        affine = reference.positions
+        strain = 0.0
+        if (cell != cell0).any():
+            if reference.cell.rank < 3:
+                return "cell changed"
+            deformation = np.linalg.solve(cell0, cell)  # cell = cell0 @ deformation
+            affine = reference.positions @ deformation
+            strain = np.linalg.norm(deformation - np.eye(3), ord=2)
+            if strain >= 0.5:
+                return "cell changed"
+        displacement = np.sqrt(((atoms.positions - affine) ** 2).sum(axis=1).max())
+        reach = receptive_field(self.model)
+        growth = (reach * strain + 2.0 * displacement) / (1.0 - strain)
+        if growth > self.skin:
+            return f"pair distances may have changed by {growth:.3f} Å > skin"
         return None
 
     def _build_layout(self, atoms: Atoms) -> dict:
@@ -333,9 +345,7 @@ class ShardedCalculator(Calculator):
             owners = contiguous_owners(len(atoms), n_compute) + first
         layout = rank_rows(coords, pbc, owners, comm.size, width)
         ids = np.concatenate([r.ids for r in layout])
-        shifts = np.concatenate([r.image_shift for r in layout])
         return {
-            "shift_reach": np.abs(shifts).max(axis=0) if len(shifts) else np.zeros(3),
             "atoms": atoms.copy(),
             "layout": layout,
             "ids": ids,
