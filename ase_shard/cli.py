@@ -42,7 +42,7 @@ from ase.md.logger import MDLogger
 from ase.md.md import MolecularDynamics
 from ase.md.nptberendsen import NPTBerendsen
 from ase.md.nvtberendsen import NVTBerendsen
-from ase.md.velocitydistribution import Stationary, ZeroRotation
+from ase.md.velocitydistribution import Stationary, ZeroRotation, thermalize_momenta
 from ase.md.verlet import VelocityVerlet
 from ase.parallel import parprint, world
 
@@ -51,11 +51,6 @@ from ase_shard.calculator import ShardedCalculator
 from ase_shard.comm import Comm
 from ase_shard.models import EMT, LennardJones, Morse
 from ase_shard.partition import PARTITIONS
-
-try:  # ASE >= 3.29
-    from ase.md.velocitydistribution import thermalize_momenta
-except ImportError:  # older ASE
-    from ase.md.velocitydistribution import MaxwellBoltzmannDistribution as thermalize_momenta
 
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "emt": EMT,

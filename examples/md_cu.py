@@ -27,17 +27,12 @@ import time
 import numpy as np
 from ase import units
 from ase.build import bulk
-from ase.md.velocitydistribution import Stationary
+from ase.md.velocitydistribution import Stationary, thermalize_momenta
 from ase.md.verlet import VelocityVerlet
 from ase.parallel import parprint, world
 
 from ase_shard import ShardedCalculator
 from ase_shard.models import EMT
-
-try:  # ASE >= 3.29
-    from ase.md.velocitydistribution import thermalize_momenta
-except ImportError:  # older ASE
-    from ase.md.velocitydistribution import MaxwellBoltzmannDistribution as thermalize_momenta
 
 
 def parse_args() -> argparse.Namespace:
@@ -60,9 +55,7 @@ def main() -> None:
     args = parse_args()
     atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(args.size)
     # Every rank must hold the same Atoms: seed the velocities identically.
-    thermalize_momenta(
-        atoms, temperature_K=args.temperature, rng=np.random.default_rng(args.seed)
-    )
+    thermalize_momenta(atoms, temperature_K=args.temperature, rng=np.random.default_rng(args.seed))
     Stationary(atoms)  # no centre-of-mass drift
 
     calc = ShardedCalculator(EMT())
@@ -77,8 +70,10 @@ def main() -> None:
         f"{str(calc.dtype).replace('torch.', '')}"
     )
     parprint(f"{args.steps} steps of 2 fs, T0 = {args.temperature:g} K, seed {args.seed}")
-    parprint(f"{'step':>6} {'time/fs':>8} {'Epot/eV':>11} {'Ekin/eV':>10} {'Etot/eV':>11} "
-             f"{'T/K':>7}   (energies per atom)")
+    parprint(
+        f"{'step':>6} {'time/fs':>8} {'Epot/eV':>11} {'Ekin/eV':>10} {'Etot/eV':>11} "
+        f"{'T/K':>7}   (energies per atom)"
+    )
 
     dyn = VelocityVerlet(atoms, timestep=timestep)
     totals = []

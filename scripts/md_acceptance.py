@@ -27,15 +27,18 @@ the price is that the other ranks wait meanwhile). Rank 0 prints a table;
 the exit status is 1 if any check failed.
 """
 
+import sys
+from pathlib import Path
+
 import ase_shard  # first: sets up MPI before ASE fixes ase.parallel.world
 
 # isort: split
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
 import argparse
-import hashlib
 import sys
 import time
-from collections.abc import Callable
 from functools import partial
 
 import numpy as np
@@ -47,29 +50,17 @@ from ase.filters import FrechetCellFilter
 from ase.md.langevin import Langevin
 from ase.md.nose_hoover_chain import IsotropicMTKNPT
 from ase.md.nptberendsen import NPTBerendsen
-from ase.md.velocitydistribution import Stationary
+from ase.md.velocitydistribution import thermalize_momenta
 from ase.md.verlet import VelocityVerlet
 from ase.optimize import BFGS, FIRE
 from ase.parallel import DummyMPI
+from sharded import COMM, identical_on_all_ranks, on_root, serial_comm, thermalised_cu
 
 from ase_shard import ShardedCalculator
-from ase_shard.comm import Comm
 from ase_shard.models import EMT, LennardJones
 
-try:  # ASE >= 3.29
-    from ase.md.velocitydistribution import thermalize_momenta
-except ImportError:  # older ASE
-    from ase.md.velocitydistribution import MaxwellBoltzmannDistribution as thermalize_momenta
-
-COMM = Comm()
 RTOL = 1e-10
 ARGON = {"sigma": 3.4, "epsilon": 0.0104, "rc": 8.5, "smooth": True}
-
-
-def serial_comm():
-    """A one-rank communicator (``MPI.COMM_SELF`` under MPI)."""
-    mpi = sys.modules.get("mpi4py.MPI")
-    return mpi.COMM_SELF if mpi is not None else None
 
 
 class Table:
@@ -98,31 +89,6 @@ class Table:
             print("\n".join(self.line(row) for row in self.rows))
 
 
-def on_root(compute: Callable[[], object]) -> object:
-    """``compute()`` on rank 0 alone (a one-rank reference), broadcast to every rank.
-
-    An exception on rank 0 is raised on every rank instead of leaving them waiting.
-    """
-    value, error = None, None
-    if COMM.is_root:
-        try:
-            value = compute()
-        except Exception as exc:
-            error = repr(exc)
-    value, error = COMM.bcast((value, error))
-    if error is not None:
-        raise RuntimeError(f"rank 0 failed in a one-rank reference: {error}")
-    return value
-
-
-def identical_on_all_ranks(*arrays: np.ndarray) -> bool:
-    """Whether every rank holds bitwise the same arrays."""
-    digest = hashlib.blake2b()
-    for array in arrays:
-        digest.update(np.ascontiguousarray(array, dtype=np.float64).tobytes())
-    return len(set(COMM.allgather(digest.hexdigest()))) == 1
-
-
 def rel_err(value: np.ndarray, ref: np.ndarray) -> float:
     """Max-abs error over max-abs reference value."""
     return float(np.max(np.abs(value - ref)) / np.max(np.abs(ref)))
@@ -141,19 +107,6 @@ def fresh_results(atoms: Atoms, calc) -> dict:
 def worst_error(got: dict, ref: dict) -> float:
     """The largest relative error over the quantities in ``got``."""
     return max(rel_err(np.asarray(got[key]), np.asarray(ref[key])) for key in got)
-
-
-def thermalised_cu(repeat: int, temperature_k: float, seed: int) -> Atoms:
-    """fcc Cu (a = 3.61 Å), rattled by 0.02 Å, with Maxwell-Boltzmann momenta.
-
-    The same on every rank. The rattle makes forces non-zero from the first step,
-    so their relative errors mean something.
-    """
-    atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(repeat)
-    atoms.rattle(stdev=0.02, seed=seed)
-    thermalize_momenta(atoms, temperature_K=temperature_k, rng=np.random.default_rng(seed))
-    Stationary(atoms)
-    return atoms
 
 
 def case_nve(table: Table, skin: float) -> None:

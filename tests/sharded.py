@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from collections.abc import Callable
 
 import numpy as np
 from ase import Atoms
+from ase.build import bulk
+from ase.md.velocitydistribution import Stationary, thermalize_momenta
 
 from ase_shard.comm import Comm
 
@@ -32,13 +35,47 @@ def results(atoms: Atoms) -> dict[str, np.ndarray]:
     return out
 
 
+def identical_on_all_ranks(*arrays: np.ndarray) -> bool:
+    """Whether every rank holds bitwise the same arrays."""
+    digest = hashlib.blake2b()
+    for array in arrays:
+        digest.update(np.ascontiguousarray(array, dtype=np.float64).tobytes())
+    return len(set(COMM.allgather(digest.hexdigest()))) == 1
+
+
 def assert_identical_on_all_ranks(values: dict[str, np.ndarray]) -> None:
     """Every rank holds bitwise the same ``values``."""
-    digest = hashlib.blake2b()
-    for key in sorted(values):
-        digest.update(np.ascontiguousarray(values[key], dtype=np.float64).tobytes())
-    digests = COMM.allgather(digest.hexdigest())
-    assert len(set(digests)) == 1, digests
+    assert identical_on_all_ranks(*(values[key] for key in sorted(values)))
+
+
+def on_root(compute: Callable[[], object]) -> object:
+    """``compute()`` on rank 0 alone (a one-rank reference), broadcast to every rank.
+
+    An exception on rank 0 is raised on every rank instead of leaving them waiting.
+    """
+    value, error = None, None
+    if COMM.is_root:
+        try:
+            value = compute()
+        except Exception as exc:
+            error = repr(exc)
+    value, error = COMM.bcast((value, error))
+    if error is not None:
+        raise RuntimeError(f"rank 0 failed in a one-rank reference: {error}")
+    return value
+
+
+def thermalised_cu(repeat: int, temperature_k: float, seed: int) -> Atoms:
+    """fcc Cu (a = 3.61 Å), rattled by 0.02 Å, with Maxwell-Boltzmann momenta.
+
+    The same on every rank. The rattle makes forces non-zero from the first
+    step, so their relative errors mean something.
+    """
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(repeat)
+    atoms.rattle(stdev=0.02, seed=seed)
+    thermalize_momenta(atoms, temperature_K=temperature_k, rng=np.random.default_rng(seed))
+    Stationary(atoms)
+    return atoms
 
 
 def random_gas(pbc, n_atoms: int = 64, seed: int = 0) -> Atoms:

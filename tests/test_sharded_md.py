@@ -10,8 +10,6 @@ figures come from scripts/md_acceptance.py.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import pytest
 from ase import Atoms, units
@@ -22,20 +20,22 @@ from ase.filters import FrechetCellFilter
 from ase.md.langevin import Langevin
 from ase.md.nose_hoover_chain import IsotropicMTKNPT
 from ase.md.nptberendsen import NPTBerendsen
-from ase.md.velocitydistribution import Stationary
+from ase.md.velocitydistribution import thermalize_momenta
 from ase.md.verlet import VelocityVerlet
 from ase.optimize import BFGS, FIRE
 from ase.parallel import DummyMPI
 from oracles import ase_results, relative_errors
-from sharded import COMM, assert_identical_on_all_ranks, results, serial_comm
+from sharded import (
+    COMM,
+    assert_identical_on_all_ranks,
+    on_root,
+    results,
+    serial_comm,
+    thermalised_cu,
+)
 
 from ase_shard import ShardedCalculator
 from ase_shard.models import EMT, LennardJones
-
-try:  # ASE >= 3.29
-    from ase.md.velocitydistribution import thermalize_momenta
-except ImportError:  # older ASE
-    from ase.md.velocitydistribution import MaxwellBoltzmannDistribution as thermalize_momenta
 
 RTOL = 1e-10
 ARGON = {"sigma": 3.4, "epsilon": 0.0104, "rc": 8.5, "smooth": True}
@@ -43,29 +43,6 @@ ARGON = {"sigma": 3.4, "epsilon": 0.0104, "rc": 8.5, "smooth": True}
 SERIAL = {"comm": serial_comm(), "driver": {"comm": DummyMPI()}}
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def on_root(compute: Callable[[], dict]) -> dict:
-    """``compute()`` on rank 0 alone, broadcast to every rank (an error fails all ranks)."""
-    value, error = None, None
-    if COMM.is_root:
-        try:
-            value = compute()
-        except Exception as exc:
-            error = repr(exc)
-    value, error = COMM.bcast((value, error))
-    if error is not None:
-        raise AssertionError(f"the serial reference failed on rank 0: {error}")
-    return value
-
-
-def thermalised_cu(repeat: int, temperature_k: float, seed: int) -> Atoms:
-    """Rattled fcc Cu with Maxwell-Boltzmann momenta, the same on every rank."""
-    atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(repeat)
-    atoms.rattle(stdev=0.02, seed=seed)
-    thermalize_momenta(atoms, temperature_K=temperature_k, rng=np.random.default_rng(seed))
-    Stationary(atoms)
-    return atoms
 
 
 def test_nve_conserves_energy_and_equals_serial() -> None:

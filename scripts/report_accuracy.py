@@ -1,6 +1,6 @@
 """Print the worst relative error of every acceptance case against ASE.
 
-Usage: ``mpirun -n P python tests/report_accuracy.py`` (or plain ``python``).
+Usage: ``mpirun -n P python scripts/report_accuracy.py`` (or plain ``python``).
 The same comparisons are asserted by ``test_sharded_physics.py``; this script
 only prints the figures quoted in the docs and issue notes.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from oracles import ase_results, relative_errors  # noqa: E402
 from sharded import COMM, results  # noqa: E402
