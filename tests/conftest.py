@@ -1,6 +1,7 @@
 """Test set-up shared by serial runs and runs under mpirun."""
 
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -10,5 +11,14 @@ from ase_shard.comm import Comm
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests import oracles/systems/toy_models
 
-if Comm().size > 1:
+_COMM = Comm()
+if _COMM.size > 1:
     torch.set_num_threads(1)
+
+
+def pytest_configure(config) -> None:
+    if _COMM.size > 1 and config.option.basetemp is None:
+        # ranks of one job must not clean up each other's temporary directories
+        config.option.basetemp = (
+            Path(tempfile.gettempdir()) / f"ase-shard-pytest-{_COMM.size}ranks-rank{_COMM.rank}"
+        )
