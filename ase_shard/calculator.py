@@ -61,7 +61,8 @@ class ShardedCalculator(Calculator):
         in eV).
     skin : float
         Extra neighbour/halo distance in Å. The decomposition is reused until
-        some atom moved more than ``skin / 2`` since it was built.
+        some atom moved more than ``skin / 2`` since it was built (a cell
+        deformation counts through the distances it changes).
     device : str or torch.device, optional
         Where this rank evaluates; default ``cuda:<node-local rank % GPUs>``
         when CUDA is available, else CPU.
@@ -130,7 +131,6 @@ class ShardedCalculator(Calculator):
         self._idle_root = False
         self._on_close: list = []
         self._block: LocalBlock | None = None
-        self._counts: list | None = None  # (rows, owned) per rank
         self._root_state: dict | None = None  # rank 0: layout of the last build
 
     @property
@@ -164,7 +164,7 @@ class ShardedCalculator(Calculator):
             self._calculate(atoms)
         except BaseException:
             # the next call starts from a fresh decomposition on every rank
-            self._block = self._counts = self._root_state = None
+            self._block = self._root_state = None
             raise
 
     def _calculate(self, atoms: Atoms | None) -> None:
@@ -177,7 +177,6 @@ class ShardedCalculator(Calculator):
 
         if rebuild_now:
             self.rebuilds += 1
-            self._counts = counts
             layout = root["layout"] if comm.is_root else None
             meta = comm.scatter_rows(
                 [np.column_stack([r.ids, r.image_shift, atoms.numbers[r.ids]]) for r in layout]
