@@ -1,7 +1,15 @@
-"""Torch re-implementations of interatomic potentials for ``ShardedCalculator``."""
+"""Torch potentials for ``ShardedCalculator``.
+
+``LennardJones``, ``Morse`` and ``EMT`` re-implement ASE's calculators. ``SevenNet``,
+``MACE`` and ``NequIP`` wrap machine-learned potentials; their packages are imported
+only when a model is built (extras ``ase-shard[sevenn]``, ``[mace]``, ``[nequip]``).
+"""
 
 from ase_shard.models.emt import EMT
 from ase_shard.models.lj import LennardJones
+from ase_shard.models.mace import MACE
 from ase_shard.models.morse import Morse
+from ase_shard.models.nequip import Allegro, NequIP
+from ase_shard.models.sevenn import SevenNet
 
-__all__ = ["EMT", "LennardJones", "Morse"]
+__all__ = ["Allegro", "EMT", "LennardJones", "MACE", "Morse", "NequIP", "SevenNet"]

@@ -1,0 +1,239 @@
+"""Adapter for models of the NequIP framework (NequIP and Allegro).
+
+``nequip`` (and ``nequip-allegro`` for Allegro models) is imported lazily, so
+this module imports without them. Wrap an in-memory model built by nequip's
+model builders, or a local checkpoint (``.ckpt``) or package (``.nequip.zip``)
+file that nequip's own ``load_saved_model`` reads::
+
+    from ase_shard import ShardedCalculator
+    from ase_shard.models.nequip import NequIP
+
+    calc = ShardedCalculator(NequIP("model.nequip.zip"))
+
+The adapter feeds nequip's energy model the local graph's edge vectors as
+``edge_vectors`` (nequip then derives edge lengths from them and never needs
+positions or a cell, exactly as in its LAMMPS ML-IAP integration) and returns
+the per-atom energies ``atomic_energy``, per-type scale and shift included.
+The calculator, not nequip's ``ForceStressOutput``, differentiates.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import torch
+
+from ase_shard.graph import LocalGraph
+
+# class names inside nequip models; compared by name so that models loaded
+# from a ``.nequip.zip`` package (classes re-imported by torch.package) match
+_CONV_LAYER = "ConvNetLayer"  # one NequIP message-passing layer
+_ALLEGRO_MODULE = "Allegro_Module"  # Allegro: strictly local, one cutoff
+_FORCE_OUTPUT = ("ForceStressOutput", "PartialForceOutput")
+
+
+def _load(model, model_key: str | None):
+    """A nequip ``GraphModel`` from a module or a local file."""
+    if isinstance(model, torch.nn.Module):
+        return model
+    path = os.fspath(model)
+    if not os.path.exists(path):
+        # nequip.net ids would be downloaded by nequip; fetch them yourself
+        raise FileNotFoundError(f"no nequip model file at {path!r}")
+    from nequip.model.saved_models.load_utils import load_saved_model
+    from nequip.utils.global_state import set_global_state
+
+    set_global_state()
+    kwargs = {} if model_key is None else {"model_key": model_key}
+    return load_saved_model(path, compile_mode="eager", **kwargs)
+
+
+def _energy_module(graph_model: torch.nn.Module) -> torch.nn.Module:
+    """The energy model inside nequip's force/stress wrapper."""
+    inner = getattr(graph_model, "model", graph_model)  # GraphModel.model
+    if type(inner).__name__ in _FORCE_OUTPUT:
+        inner = inner.func
+    return inner
+
+
+def _type_lookup(type_names, species_map: Mapping[str, str] | None) -> dict[int, int]:
+    """Atomic number -> model type index."""
+    from ase.data import atomic_numbers
+
+    if species_map is None:
+        unknown = [name for name in type_names if name not in atomic_numbers]
+        if unknown:
+            raise ValueError(
+                f"model type names {unknown} are not chemical symbols: pass "
+                "chemical_species_to_atom_type_map={'Cu': 'my_Cu', ...}"
+            )
+        species_map = {name: name for name in type_names}
+    index = {name: i for i, name in enumerate(type_names)}
+    lookup = {}
+    for symbol, type_name in species_map.items():
+        if symbol not in atomic_numbers:
+            raise ValueError(f"invalid chemical symbol {symbol!r}")
+        if type_name not in index:
+            raise ValueError(f"{symbol!r} maps to {type_name!r}, not in {list(type_names)}")
+        lookup[atomic_numbers[symbol]] = index[type_name]
+    return lookup
+
+
+class NequIP(torch.nn.Module):
+    """Any NequIP-framework model (NequIP, Allegro) as a ``ShardedCalculator`` model.
+
+    Parameters
+    ----------
+    model : torch.nn.Module or path
+        A nequip ``GraphModel`` (as nequip's model builders return, e.g.
+        ``nequip.model.NequIPGNNModel`` or ``allegro.model.AllegroModel``), or
+        the path of a local ``.ckpt`` / ``.nequip.zip`` file.
+    chemical_species_to_atom_type_map : dict, optional
+        ``{chemical symbol: model type name}``, as for nequip's calculator.
+        Default: the model's type names are chemical symbols.
+    num_layers : int, optional
+        Message-passing depth. Default: the number of NequIP convolution
+        layers, or 1 for Allegro (strictly local: its receptive field is one
+        cutoff however many Allegro layers it has).
+    model_key : str, optional
+        Which model of a multi-model checkpoint/package to load.
+
+    The model computes in the dtype it was built with (``model_dtype``);
+    ``model.to(dtype=...)`` (as ``ShardedCalculator(dtype=...)`` does) moves
+    it between devices but never casts it. Edge vectors are handed to nequip
+    in float64, as nequip's own data pipeline does (nequip casts where its
+    float32 layers need it); ``ShardedCalculator(..., dtype=torch.float64)``
+    keeps them float64 all the way, otherwise they pass through the model's
+    dtype first.
+    Per-edge-type cutoffs are honoured by pruning edges as nequip's
+    ``NeighborListPruneTransform`` does.
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        chemical_species_to_atom_type_map: Mapping[str, str] | None = None,
+        num_layers: int | None = None,
+        model_key: str | None = None,
+    ):
+        super().__init__()
+        model = _load(model, model_key).eval()
+        self.model = model
+        self.energy_model = _energy_module(model)
+
+        metadata = model.metadata
+        self.cutoff = float(metadata["r_max"])
+        self.type_names = list(metadata["type_names"].split(" "))
+        self._dtype = {"float32": torch.float32, "float64": torch.float64}[metadata["model_dtype"]]
+
+        kinds = [type(m).__name__ for m in model.modules()]
+        self.is_strictly_local = _ALLEGRO_MODULE in kinds and _CONV_LAYER not in kinds
+        if num_layers is None:
+            if self.is_strictly_local:
+                num_layers = 1
+            elif _CONV_LAYER in kinds:
+                num_layers = kinds.count(_CONV_LAYER)
+            else:
+                raise ValueError(
+                    "cannot tell this nequip model's message-passing depth: pass num_layers="
+                )
+        self.num_layers = int(num_layers)
+
+        lookup = _type_lookup(self.type_names, chemical_species_to_atom_type_map)
+        self.atomic_types = tuple(sorted(lookup))
+        table = torch.full((119,), -1, dtype=torch.int64)
+        for z, index in lookup.items():
+            table[z] = index
+        self.register_buffer("_type_of_z", table, persistent=False)
+
+        self._pruner = None
+        per_edge_type_cutoff = metadata.get("per_edge_type_cutoff")
+        if per_edge_type_cutoff is not None:
+            from nequip.data.transforms import NeighborListPruneTransform
+            from nequip.nn.embedding.utils import cutoff_str_to_fulldict
+
+            if isinstance(per_edge_type_cutoff, str):
+                # metadata holds "c_11 c_12 ..."; the pruner needs the dict
+                per_edge_type_cutoff = cutoff_str_to_fulldict(
+                    per_edge_type_cutoff, self.type_names
+                )
+            self._pruner = NeighborListPruneTransform(
+                r_max=self.cutoff,
+                per_edge_type_cutoff=per_edge_type_cutoff,
+                type_names=self.type_names,
+            )
+
+    # -- dtype and device -------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        """The nequip model's dtype (fixed when it was built)."""
+        return self._dtype
+
+    def _apply(self, fn, recurse=True):
+        # ``ShardedCalculator`` calls ``model.to(device=..., dtype=...)``, and
+        # picks the dtype from the first parameter (float64 spline tables come
+        # first in a float32 Allegro model). A nequip model is built for one
+        # ``model_dtype`` and keeps float64 parts inside a float32 model, so a
+        # cast would change its numerics: only the device move is applied.
+        probe = fn(torch.zeros((), dtype=self._dtype))
+        if probe.dtype != self._dtype:
+            device = probe.device
+            return super()._apply(lambda t: t.to(device), recurse)
+        return super()._apply(fn, recurse)
+
+    # -- evaluation -------------------------------------------------------
+    def _needed(self, edge_index: torch.Tensor, n: int, n_owned: int):
+        """Edges and rows that owned energies depend on.
+
+        With L layers the energy of an owned atom depends on edges centred on
+        atoms at most L-1 hops away and on the types of atoms at most L hops
+        away; the halo is wider (``cutoff * L + skin`` in space), so the rest
+        is dropped before nequip runs.
+        """
+        centre, neighbour = edge_index
+        reach = torch.zeros(n, dtype=torch.bool, device=edge_index.device)
+        reach[:n_owned] = True
+        for _ in range(self.num_layers - 1):
+            grown = reach.clone()
+            grown[neighbour[reach[centre]]] = True
+            reach = grown
+        edges = reach[centre]
+        rows = reach.clone()
+        rows[neighbour[edges]] = True
+        return edges, rows
+
+    def forward(self, graph: LocalGraph) -> torch.Tensor:
+        n = graph.n_atoms
+        types = self._type_of_z[graph.numbers]
+        edges, rows = self._needed(graph.edge_index, n, graph.n_owned)
+        # compact the rows (owned rows stay first, order kept)
+        kept = torch.nonzero(rows).view(-1)
+        new_index = torch.full((n,), -1, dtype=torch.int64, device=types.device)
+        new_index[kept] = torch.arange(kept.numel(), device=types.device)
+        data = {
+            "atom_types": types[kept],
+            "edge_index": new_index[graph.edge_index[:, edges]],
+            "edge_vectors": graph.edge_vectors[edges].to(torch.float64),
+        }
+        if self._pruner is not None:
+            data = self._pruner(data)
+        out = self.energy_model(data)
+        energies = out["atomic_energy"].view(-1)
+        result = energies.new_zeros(n)
+        return result.index_copy(0, kept, energies)
+
+
+class Allegro(NequIP):
+    """``NequIP`` for an Allegro model, checked to be strictly local.
+
+    Allegro's energy of atom ``i`` depends only on the edges centred on ``i``,
+    so its receptive field is one cutoff (``num_layers = 1``) for any number
+    of Allegro layers; this class refuses a model that passes messages.
+    """
+
+    def __init__(self, model, **kwargs):
+        super().__init__(model, **kwargs)
+        if not self.is_strictly_local or self.num_layers != 1:
+            raise ValueError("not a strictly local (Allegro) nequip model")

@@ -1,0 +1,206 @@
+"""SevenNet (``sevenn``) as a ``ShardedCalculator`` model.
+
+``sevenn`` is imported lazily, so this module imports without it::
+
+    from ase_shard import ShardedCalculator
+    from ase_shard.models.sevenn import SevenNet
+
+    atoms.calc = ShardedCalculator(SevenNet("7net-0"))   # the checkpoint shipped in the wheel
+
+The adapter runs the SevenNet network itself (its ``AtomGraphSequential`` modules from the
+edge embedding to the per-species energy rescale) on the rank's ``LocalGraph``: the graph's
+``edge_vectors`` become SevenNet's ``EDGE_VEC`` directly, so forces and stress come from the
+calculator's one gradient with respect to them, exactly as SevenNet's own
+``ForceStressOutputFromEdge`` takes them from ``dE/d EDGE_VEC``. SevenNet's reduction to a
+total energy and its force/stress output modules are not run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ase_shard.graph import LocalGraph
+
+# module classes of an AtomGraphSequential that the adapter does not run:
+# positions -> edge vectors (the calculator supplies the vectors), the sum to a total
+# energy, and the force/stress outputs (the calculator differentiates)
+_SKIPPED_MODULES = frozenset(
+    {
+        "EdgePreprocess",
+        "AtomReduce",
+        "ForceOutput",
+        "ForceOutputFromEdge",
+        "ForceStressOutput",
+        "ForceStressOutputFromEdge",
+        "_ModalInputPrepare",
+    }
+)
+
+
+def _cast_outputs(module: torch.nn.Module, data: dict, dtype: torch.dtype) -> None:
+    """Cast the floating outputs of a sevenn ``OnehotEmbedding`` to ``dtype`` in ``data``."""
+    for key in (module.key_output, getattr(module, "key_additional_output", None)):
+        if key is not None and data[key].is_floating_point() and data[key].dtype != dtype:
+            data[key] = data[key].to(dtype)
+
+
+def _load_sevenn_model(model: Any) -> tuple[torch.nn.Module, dict | None]:
+    """An ``AtomGraphSequential`` (and its config) from a path, pretrained name or module."""
+    from sevenn.nn.sequential import AtomGraphSequential
+
+    if isinstance(model, AtomGraphSequential):
+        return model, None
+    if isinstance(model, (str, os.PathLike)):
+        import sevenn.util
+
+        # load_checkpoint takes an existing file as is; otherwise it resolves a pretrained
+        # name (e.g. "7net-0") to the checkpoint shipped inside the sevenn package
+        checkpoint = sevenn.util.load_checkpoint(os.fspath(model))
+        return checkpoint.build_model(), checkpoint.config
+    raise TypeError(
+        "SevenNet expects a checkpoint path, a pretrained name such as '7net-0' or a "
+        f"sevenn AtomGraphSequential, not {type(model).__name__}"
+    )
+
+
+class SevenNet(torch.nn.Module):
+    """A SevenNet potential (sevenn) following the ``ShardModel`` protocol.
+
+    Parameters
+    ----------
+    model : str, os.PathLike or sevenn.nn.sequential.AtomGraphSequential
+        A SevenNet checkpoint file, the name of a pretrained model whose checkpoint
+        is available locally (``"7net-0"`` ships inside the ``sevenn`` package), or
+        an already built model (it must carry ``type_map`` and ``cutoff``). A given
+        module is used as is (not copied): it is put in eval mode and switched to
+        unbatched input.
+    modal : str, optional
+        The fidelity of a multi-fidelity checkpoint (e.g. ``"PBE"`` or ``"R2SCAN"``
+        for ``7net-mf-0``); required when the model has several, case-insensitive.
+
+    Attributes
+    ----------
+    cutoff : float
+        The model's radial cutoff (Å).
+    num_layers : int
+        Number of SevenNet convolution (interaction) layers.
+    atomic_types : tuple of int
+        Atomic numbers in the model's type map.
+    model : AtomGraphSequential
+        The wrapped network. Its dtype is whatever it was built with (SevenNet
+        checkpoints are float32); ``ShardedCalculator(..., dtype=...)`` casts it.
+    """
+
+    def __init__(self, model: Any = "7net-0", *, modal: str | None = None):
+        super().__init__()
+        network, config = _load_sevenn_model(model)
+        if network.type_map is None:
+            raise ValueError("the SevenNet model has no type_map")
+        cutoff = float(network.cutoff)
+        if cutoff <= 0.0 and config is not None:
+            cutoff = float(config.get("cutoff", 0.0))
+        if cutoff <= 0.0:
+            raise ValueError("the SevenNet model's cutoff is not set")
+        network.set_is_batch_data(False)
+        network.eval()
+        self.model = network
+        self.cutoff = cutoff
+        self.num_layers = sum(
+            1 for module in network._modules.values() if "Convolution" in type(module).__name__
+        )
+        if self.num_layers < 1:
+            raise ValueError("found no convolution layer in the SevenNet model")
+        type_map = {int(z): int(index) for z, index in network.type_map.items()}
+        self.atomic_types: Sequence[int] = tuple(sorted(type_map))
+        z_to_type = torch.full((max(self.atomic_types) + 1,), -1, dtype=torch.int64)
+        for z, index in type_map.items():
+            z_to_type[z] = index
+        self.register_buffer("z_to_type", z_to_type, persistent=False)
+        self.modal = self._resolve_modal(network.modal_map, modal)
+        self._modules_to_run = [
+            name
+            for name, module in network._modules.items()
+            if type(module).__name__ not in _SKIPPED_MODULES
+        ]
+        self.eval()
+
+    @staticmethod
+    def _resolve_modal(modal_map: dict | None, modal: str | None) -> int | None:
+        if not modal_map:
+            if modal is not None:
+                raise ValueError(f"modal={modal!r} given, but the model has a single fidelity")
+            return None
+        if modal is None:
+            raise ValueError(f"the model is multi-fidelity: pass modal= one of {list(modal_map)}")
+        by_lower = {str(name).lower(): index for name, index in modal_map.items()}
+        if modal.lower() not in by_lower:
+            raise ValueError(f"unknown modal {modal!r}; the model has {list(modal_map)}")
+        return int(by_lower[modal.lower()])
+
+    def train(self, mode: bool = True) -> SevenNet:
+        # an inference adapter: SevenNet's modules stay in eval mode
+        return super().train(False)
+
+    def _edge_masks(self, graph: LocalGraph) -> list[torch.Tensor]:
+        """Per convolution, which edges can reach an owned atom's energy.
+
+        Messages flow from ``edge_index[1]`` into the centre ``edge_index[0]``. The
+        last convolution needs only edges centred on owned atoms, the one before also
+        those centred on their neighbours, and so on: edges centred further than
+        ``num_layers - 1 - k`` hops from every owned atom cannot change an owned
+        energy through convolution ``k``, so they are skipped. Owned energies and
+        their gradients are unchanged (the kept edges keep their order); ghost
+        energies, which the calculator discards, are not meaningful.
+        """
+        centre, neighbour = graph.edge_index
+        reach = torch.zeros(graph.n_atoms, dtype=torch.bool, device=centre.device)
+        reach[: graph.n_owned] = True
+        masks = [reach[centre]]
+        for _ in range(self.num_layers - 1):
+            reach = reach.clone()
+            reach[neighbour[masks[-1]]] = True
+            masks.append(reach[centre])
+        return masks[::-1]  # masks[k] for convolution k
+
+    def forward(self, graph: LocalGraph) -> torch.Tensor:
+        import sevenn._keys as KEY
+
+        numbers = graph.numbers
+        masks = self._edge_masks(graph)
+        kept = masks[0].nonzero().squeeze(1)  # edges any convolution uses
+        edge_index = graph.edge_index.index_select(1, kept)
+        data: dict[str, Any] = {
+            # SevenNet's own preprocessing: atomic number -> one-hot index
+            KEY.NODE_FEATURE: self.z_to_type[numbers],
+            KEY.ATOMIC_NUMBERS: numbers,
+            KEY.EDGE_IDX: edge_index,
+            KEY.EDGE_VEC: graph.edge_vectors.index_select(0, kept),
+            KEY.NUM_ATOMS: torch.tensor(graph.n_atoms, device=numbers.device),
+        }
+        if self.modal is not None:
+            data[KEY.MODAL_TYPE] = torch.tensor(
+                self.modal, dtype=torch.int64, device=numbers.device
+            )
+        edge_keys = (KEY.EDGE_IDX, KEY.EDGE_ATTR, KEY.EDGE_EMBEDDING)
+        full_edges: dict[str, torch.Tensor] = {}
+        modules = self.model._modules
+        layer = 0
+        for name in self._modules_to_run:
+            module = modules[name]
+            if "Convolution" in type(module).__name__:
+                if not full_edges:
+                    full_edges = {key: data[key] for key in edge_keys}
+                subset = masks[layer].index_select(0, kept).nonzero().squeeze(1)
+                for key in edge_keys:
+                    dim = 1 if key == KEY.EDGE_IDX else 0
+                    data[key] = full_edges[key].index_select(dim, subset)
+                layer += 1
+            data = module(data)
+            if type(module).__name__ == "OnehotEmbedding":
+                # sevenn's one-hot embedding always returns float32; follow the model's dtype
+                _cast_outputs(module, data, graph.edge_vectors.dtype)
+        return data[KEY.ATOMIC_ENERGY].reshape(-1)

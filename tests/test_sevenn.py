@@ -1,0 +1,242 @@
+"""SevenNet adapter (serial): ``ShardedCalculator(SevenNet(...))`` equals SevenNet's own
+ASE calculator on the same weights.
+
+A tiny random-weight SevenNet of the real architecture runs in float64 and must agree
+to 1e-10; the pretrained 7net-0 (float32, shipped inside the ``sevenn`` wheel) agrees
+to float32 round-off, asserted with ``F32_RTOL``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytest.importorskip("sevenn")
+
+import torch  # noqa: E402
+from ase import Atoms  # noqa: E402
+from ase.build import bulk, fcc111  # noqa: E402
+
+from ase_shard import ShardedCalculator  # noqa: E402
+from ase_shard.models.sevenn import SevenNet  # noqa: E402
+
+warnings.filterwarnings("ignore", message="No tensor product accelerator")
+
+RTOL64 = 1e-10
+# 7net-0 is float32: both calculators sum per-edge float32 terms in a different order
+# (different neighbour lists, explicit ghost rows here); measured errors are ~1e-8
+# (energy) and ~5e-7 (forces, stress), relative to the largest component
+F32_RTOL = {"energy": 1e-6, "energies": 5e-6, "forces": 5e-6, "stress": 5e-6}
+SPECIES = ["Ag", "Au", "Cu"]
+
+
+def tiny_sevennet(seed: int = 0, cutoff: float = 3.5, num_layers: int = 2):
+    """A random-weight SevenNet (real architecture, small widths) in float64."""
+    import sevenn._const as const
+    import sevenn._keys as KEY
+    import sevenn.util
+    from sevenn.model_build import build_E3_equivariant_model
+
+    config = copy.deepcopy(const.DEFAULT_E3_EQUIVARIANT_MODEL_CONFIG)
+    config.update(sevenn.util.chemical_species_preprocess(SPECIES))
+    config.update(
+        {
+            KEY.CUTOFF: cutoff,
+            KEY.NODE_FEATURE_MULTIPLICITY: 8,
+            KEY.LMAX: 2,
+            KEY.IS_PARITY: False,
+            KEY.NUM_CONVOLUTION: num_layers,
+            KEY.CONVOLUTION_WEIGHT_NN_HIDDEN_NEURONS: [8, 8],
+            KEY.CONV_DENOMINATOR: 8.0,
+            KEY.USE_SPECIES_WISE_SHIFT_SCALE: True,
+            KEY.SHIFT: [-2.5, -3.1, -3.7],  # eV per atom, per species (sorted symbols)
+            KEY.SCALE: [1.3, 0.7, 1.9],
+        }
+    )
+    torch.manual_seed(seed)
+    model = build_E3_equivariant_model(config)
+    with torch.no_grad():  # random, not zero, shift/scale and denominator
+        for param in model.parameters():
+            if param.numel() and param.dim() == 1 and param.numel() <= 3:
+                param.add_(0.1 * torch.rand_like(param))
+    return model.double()
+
+
+@contextlib.contextmanager
+def _float64_onehot():
+    """sevenn's ``OnehotEmbedding`` returns float32 whatever the model dtype; patch it to
+    return float64 (the only change SevenNet needs to run in float64)."""
+    from sevenn.nn.node_embedding import OnehotEmbedding
+
+    original = OnehotEmbedding.forward
+
+    def forward(self, data):
+        data = original(self, data)
+        for key in (self.key_output, self.key_additional_output):
+            if key is not None and data[key].is_floating_point():
+                data[key] = data[key].to(torch.float64)
+        return data
+
+    OnehotEmbedding.forward = forward
+    try:
+        yield
+    finally:
+        OnehotEmbedding.forward = original
+
+
+def reference_calculator(model):
+    """SevenNet's own ASE calculator; float64 input when the model is float64."""
+    import sevenn.util
+    from sevenn.atom_graph_data import AtomGraphData
+    from sevenn.calculator import SevenNetCalculator
+    from sevenn.train.dataload import unlabeled_atoms_to_graph
+
+    class Float64SevenNetCalculator(SevenNetCalculator):
+        # SevenNetCalculator.calculate casts its input to float32; this is the same
+        # steps with float64 tensors
+        def calculate(self, atoms=None, properties=None, system_changes=None):
+            SevenNetCalculator.__base__.calculate(self, atoms, properties, system_changes)
+            graph = unlabeled_atoms_to_graph(atoms, self.cutoff, with_shift=False)
+            data = AtomGraphData(
+                **{k: sevenn.util.dtype_correct(v, torch.float64) for k, v in graph.items()}
+            )
+            data.to(self.device)
+            with _float64_onehot():
+                self.results = self.output_to_results(self.model(data))
+
+    if isinstance(model, str):
+        return SevenNetCalculator(model, device="cpu")
+    dtype = next(model.parameters()).dtype
+    cls = Float64SevenNetCalculator if dtype == torch.float64 else SevenNetCalculator
+    return cls(model, file_type="model_instance", device="cpu")
+
+
+def tiny_systems() -> dict[str, Atoms]:
+    """Small Ag/Au/Cu systems: periodic triclinic bulk, a (T, T, F) slab, a cluster."""
+    rng = np.random.default_rng(7)
+
+    bulk_atoms = bulk("Cu", "fcc", a=3.7).repeat((2, 2, 2))  # 8 atoms, triclinic cell
+    bulk_atoms.numbers[[1, 4]] = [47, 79]
+    bulk_atoms.rattle(0.1, seed=1)
+
+    slab = fcc111("Ag", size=(2, 2, 3), vacuum=5.0, a=4.0)  # pbc (T, T, F)
+    slab.numbers[[0, 5, 9]] = [29, 79, 29]
+    slab.rattle(0.1, seed=2)
+
+    cluster = bulk("Au", "fcc", a=4.0, cubic=True).repeat((2, 2, 1))
+    cluster.numbers[rng.choice(len(cluster), 6, replace=False)] = [29, 29, 47, 47, 29, 47]
+    cluster.rattle(0.1, seed=3)
+    cluster.pbc = False
+    cluster.cell = np.zeros((3, 3))
+    return {"bulk": bulk_atoms, "slab": slab, "cluster": cluster}
+
+
+def dilute_periodic(n_atoms: int = 64, box: float = 18.0, seed: int = 0) -> Atoms:
+    """``n_atoms`` H/C/O/Cu at least 1.6 Å apart in a periodic cube (a cheap halo for 7net-0).
+
+    A dense crystal is too expensive here: 7net-0's receptive field is 5 x 5 Å, and
+    the halo rows of a small dense periodic cell at one rank run into the tens of
+    thousands.
+    """
+    rng = np.random.default_rng(seed)
+    positions: list[np.ndarray] = []
+    while len(positions) < n_atoms:
+        trial = rng.uniform(0.0, box, 3)
+        gaps = [(trial - p + box / 2) % box - box / 2 for p in positions]
+        if all(np.linalg.norm(g) > 1.6 for g in gaps):
+            positions.append(trial)
+    numbers = rng.choice([1, 6, 8, 29], n_atoms)
+    return Atoms(numbers=numbers, positions=positions, cell=[box] * 3, pbc=True)
+
+
+def evaluate(atoms: Atoms, calc) -> dict[str, np.ndarray]:
+    atoms = atoms.copy()
+    atoms.calc = calc
+    out = {
+        "energy": np.asarray(atoms.get_potential_energy()),
+        "energies": atoms.get_potential_energies(),
+        "forces": atoms.get_forces(),
+    }
+    if atoms.cell.rank == 3:
+        out["stress"] = atoms.get_stress()
+    return out
+
+
+def relative_errors(got: dict, ref: dict) -> dict[str, float]:
+    """max |got - ref| / max |ref| per key of ``ref``."""
+    return {
+        key: float(np.abs(got[key] - ref[key]).max() / max(np.abs(ref[key]).max(), 1e-300))
+        for key in ref
+    }
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_sevennet()
+
+
+def test_adapter_attributes(tiny) -> None:
+    model = SevenNet(tiny)
+    assert model.cutoff == 3.5
+    assert model.num_layers == 2
+    assert tuple(model.atomic_types) == (29, 47, 79)
+    assert not model.training and not tiny.training
+
+
+@pytest.mark.parametrize("name", ["bulk", "slab", "cluster"])
+def test_tiny_float64_matches_sevennet_calculator(tiny, name: str) -> None:
+    atoms = tiny_systems()[name]
+    ref = evaluate(atoms, reference_calculator(tiny))
+    got = evaluate(atoms, ShardedCalculator(SevenNet(tiny)))
+    if "stress" not in got:
+        ref.pop("stress", None)
+    errors = relative_errors(got, ref)
+    assert all(err <= RTOL64 for err in errors.values()), errors
+    # nothing is zero by accident
+    assert np.abs(ref["forces"]).max() > 1e-3
+
+
+def test_edge_vectors_are_not_modified(tiny) -> None:
+    from ase_shard.graph import LocalGraph
+
+    vectors = torch.tensor([[1.0, 0.5, -0.3], [-1.0, -0.5, 0.3]], dtype=torch.float64)
+    graph = LocalGraph(
+        numbers=torch.tensor([29, 79]),
+        edge_index=torch.tensor([[0, 1], [1, 0]]),
+        edge_vectors=vectors.clone().requires_grad_(True),
+        n_owned=2,
+    )
+    energies = SevenNet(tiny)(graph)
+    assert energies.shape == (2,) and energies.dtype == torch.float64
+    assert torch.equal(graph.edge_vectors.detach(), vectors)
+
+
+def test_modal_is_checked(tiny) -> None:
+    with pytest.raises(ValueError, match="single fidelity"):
+        SevenNet(tiny, modal="PBE")
+
+
+@pytest.fixture(scope="module")
+def sevennet0():
+    return SevenNet("7net-0")
+
+
+def test_7net0_attributes(sevennet0) -> None:
+    assert sevennet0.cutoff == 5.0
+    assert sevennet0.num_layers == 5
+    assert len(sevennet0.atomic_types) == 89
+    assert next(sevennet0.parameters()).dtype == torch.float32
+
+
+def test_7net0_matches_sevennet_calculator(sevennet0) -> None:
+    atoms = dilute_periodic(64)
+    ref = evaluate(atoms, reference_calculator("7net-0"))
+    got = evaluate(atoms, ShardedCalculator(sevennet0))
+    errors = relative_errors(got, ref)
+    assert all(errors[key] <= F32_RTOL[key] for key in errors), errors

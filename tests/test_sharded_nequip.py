@@ -1,0 +1,62 @@
+"""NequIP and Allegro adapters at any rank count equal nequip's own calculator.
+
+Plain pytest runs one rank; ``mpirun -n P python -m pytest --with-mpi
+tests/test_sharded_nequip.py`` runs P. Every rank builds the same seeded
+models and evaluates nequip's (serial) calculator itself as the reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("nequip")
+pytest.importorskip("allegro")
+
+from sharded import assert_identical_on_all_ranks  # noqa: E402
+from test_nequip import (  # noqa: E402
+    BUILDERS,
+    RTOL64,
+    SYSTEMS,
+    nequip_calculator,
+    properties,
+    relative_errors,
+)
+
+from ase_shard import ShardedCalculator  # noqa: E402
+from ase_shard.partition import PARTITIONS  # noqa: E402
+
+_MODELS: dict = {}
+_REFERENCES: dict = {}
+
+
+def _model(kind: str):
+    """One seeded model per kind, shared by the adapter and the reference."""
+    if kind not in _MODELS:
+        _MODELS[kind] = BUILDERS[kind][0]()
+    return _MODELS[kind]
+
+
+def _reference(kind: str, system: str) -> dict:
+    """nequip's calculator on this rank (cached across partitions)."""
+    if (kind, system) not in _REFERENCES:
+        atoms = SYSTEMS[system]()
+        atoms.calc = nequip_calculator(_model(kind))
+        _REFERENCES[kind, system] = properties(atoms)
+    return _REFERENCES[kind, system]
+
+
+@pytest.mark.parametrize("partition", PARTITIONS)
+@pytest.mark.parametrize("system", sorted(SYSTEMS))
+@pytest.mark.parametrize("kind", sorted(BUILDERS))
+def test_sharded_matches_nequip_calculator(kind: str, system: str, partition: str) -> None:
+    adapter = BUILDERS[kind][1]
+    atoms = SYSTEMS[system]()
+    atoms.calc = ShardedCalculator(adapter(_model(kind)), partition=partition)
+    got = properties(atoms)
+    errors = relative_errors(got, _reference(kind, system))
+    assert all(err <= RTOL64 for err in errors.values()), errors
+    assert_identical_on_all_ranks(got)

@@ -1,0 +1,68 @@
+"""SevenNet adapter at any rank count: sharded results equal SevenNet's own calculator.
+
+Plain pytest runs one rank; ``mpirun -n P python -m pytest --with-mpi`` runs P. Every
+rank builds the same models and computes the reference (``SevenNetCalculator``) itself.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytest.importorskip("sevenn")
+
+from sharded import assert_identical_on_all_ranks  # noqa: E402
+from test_sevenn import (  # noqa: E402
+    F32_RTOL,
+    RTOL64,
+    dilute_periodic,
+    evaluate,
+    reference_calculator,
+    relative_errors,
+    tiny_sevennet,
+    tiny_systems,
+)
+
+from ase_shard import ShardedCalculator  # noqa: E402
+from ase_shard.models.sevenn import SevenNet  # noqa: E402
+from ase_shard.partition import PARTITIONS  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_sevennet()
+
+
+@pytest.fixture(scope="module")
+def tiny_references(tiny):
+    return {
+        name: evaluate(atoms, reference_calculator(tiny)) for name, atoms in tiny_systems().items()
+    }
+
+
+@pytest.mark.parametrize("partition", PARTITIONS)
+@pytest.mark.parametrize("name", ["bulk", "slab", "cluster"])
+def test_tiny_float64(tiny, tiny_references, name: str, partition: str) -> None:
+    atoms = tiny_systems()[name]
+    got = evaluate(atoms, ShardedCalculator(SevenNet(tiny), partition=partition))
+    ref = {key: value for key, value in tiny_references[name].items() if key in got}
+    assert set(ref) == set(got)
+    errors = relative_errors(got, ref)
+    assert all(err <= RTOL64 for err in errors.values()), errors
+    assert_identical_on_all_ranks(got)
+
+
+@pytest.fixture(scope="module")
+def sevennet0():
+    return SevenNet("7net-0")
+
+
+def test_7net0_periodic(sevennet0) -> None:
+    atoms = dilute_periodic(n_atoms=16, box=16.0, seed=1)
+    ref = evaluate(atoms, reference_calculator("7net-0"))
+    got = evaluate(atoms, ShardedCalculator(sevennet0))
+    errors = relative_errors(got, ref)
+    assert all(errors[key] <= F32_RTOL[key] for key in errors), errors
+    assert_identical_on_all_ranks(got)
