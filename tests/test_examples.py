@@ -74,3 +74,11 @@ def test_md_demo_conserves_energy_and_reports():
     assert summary, out
     assert float(summary.group(1)) > 0
     assert int(summary.group(2)) >= 1
+
+
+def test_md_with_pretrained_7net0():
+    pytest.importorskip("sevenn")
+    out = run_example("md_7net0.py", "--steps", "5", timeout=300)
+    assert "7net-0 (cutoff 5.0 Å, 5 layers)" in out
+    drift = float(re.search(r"drift ([-+0-9.e]+) eV/atom", out).group(1))
+    assert abs(drift) < 1e-3
