@@ -44,6 +44,16 @@ _COMMON = {
 }
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _nequip_default_dtype():
+    """nequip's models expect its global state (default dtype float64), which it applies only
+    once per process; set it for this module and undo it for later modules."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
 def _global_state() -> None:
     from nequip.utils.global_state import set_global_state
 

@@ -16,6 +16,7 @@ import pytest  # noqa: E402
 pytest.importorskip("nequip")
 pytest.importorskip("allegro")
 
+import torch  # noqa: E402
 from sharded import assert_identical_on_all_ranks  # noqa: E402
 from test_nequip import (  # noqa: E402
     BUILDERS,
@@ -31,6 +32,16 @@ from ase_shard.partition import PARTITIONS  # noqa: E402
 
 _MODELS: dict = {}
 _REFERENCES: dict = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _nequip_default_dtype():
+    """nequip's models expect its global state (default dtype float64), which it applies only
+    once per process; set it for this module and undo it for later modules."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
 
 
 def _model(kind: str):
