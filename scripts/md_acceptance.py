@@ -54,6 +54,7 @@ from ase.md.velocitydistribution import thermalize_momenta
 from ase.md.verlet import VelocityVerlet
 from ase.optimize import BFGS, FIRE
 from ase.parallel import DummyMPI
+from oracles import rel_err
 from sharded import COMM, identical_on_all_ranks, on_root, serial_comm, thermalised_cu
 
 from ase_shard import ShardedCalculator
@@ -87,11 +88,6 @@ class Table:
         if COMM.is_root:
             print(f"\n== summary, {COMM.size} MPI rank(s)")
             print("\n".join(self.line(row) for row in self.rows))
-
-
-def rel_err(value: np.ndarray, ref: np.ndarray) -> float:
-    """Max-abs error over max-abs reference value."""
-    return float(np.max(np.abs(value - ref)) / np.max(np.abs(ref)))
 
 
 def fresh_results(atoms: Atoms, calc) -> dict:

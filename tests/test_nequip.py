@@ -23,6 +23,7 @@ pytest.importorskip("allegro")
 import torch  # noqa: E402
 from ase import Atoms  # noqa: E402
 from ase.build import bulk, fcc111  # noqa: E402
+from oracles import relative_errors  # noqa: E402
 
 from ase_shard import ShardedCalculator  # noqa: E402
 from ase_shard.models.nequip import Allegro, NequIP  # noqa: E402
@@ -157,13 +158,6 @@ def properties(atoms: Atoms) -> dict[str, np.ndarray]:
     if atoms.cell.rank == 3:
         out["stress"] = atoms.get_stress()
     return out
-
-
-def relative_errors(got: dict, ref: dict) -> dict[str, float]:
-    return {
-        key: float(np.abs(got[key] - ref[key]).max() / max(np.abs(ref[key]).max(), 1e-300))
-        for key in ref
-    }
 
 
 def compare(kind: str, system: str, model_dtype: str = "float64", **calc_kwargs):

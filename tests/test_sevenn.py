@@ -22,6 +22,7 @@ pytest.importorskip("sevenn")
 import torch  # noqa: E402
 from ase import Atoms  # noqa: E402
 from ase.build import bulk, fcc111  # noqa: E402
+from oracles import ase_results, relative_errors  # noqa: E402
 
 from ase_shard import ShardedCalculator  # noqa: E402
 from ase_shard.models.sevenn import SevenNet  # noqa: E402
@@ -155,27 +156,6 @@ def dilute_periodic(n_atoms: int = 64, box: float = 18.0, seed: int = 0) -> Atom
     return Atoms(numbers=numbers, positions=positions, cell=[box] * 3, pbc=True)
 
 
-def evaluate(atoms: Atoms, calc) -> dict[str, np.ndarray]:
-    atoms = atoms.copy()
-    atoms.calc = calc
-    out = {
-        "energy": np.asarray(atoms.get_potential_energy()),
-        "energies": atoms.get_potential_energies(),
-        "forces": atoms.get_forces(),
-    }
-    if atoms.cell.rank == 3:
-        out["stress"] = atoms.get_stress()
-    return out
-
-
-def relative_errors(got: dict, ref: dict) -> dict[str, float]:
-    """max |got - ref| / max |ref| per key of ``ref``."""
-    return {
-        key: float(np.abs(got[key] - ref[key]).max() / max(np.abs(ref[key]).max(), 1e-300))
-        for key in ref
-    }
-
-
 @pytest.fixture(scope="module")
 def tiny():
     return tiny_sevennet()
@@ -192,8 +172,8 @@ def test_adapter_attributes(tiny) -> None:
 @pytest.mark.parametrize("name", ["bulk", "slab", "cluster"])
 def test_tiny_float64_matches_sevennet_calculator(tiny, name: str) -> None:
     atoms = tiny_systems()[name]
-    ref = evaluate(atoms, reference_calculator(tiny))
-    got = evaluate(atoms, ShardedCalculator(SevenNet(tiny)))
+    ref = ase_results(reference_calculator(tiny), atoms)
+    got = ase_results(ShardedCalculator(SevenNet(tiny)), atoms)
     if "stress" not in got:
         ref.pop("stress", None)
     errors = relative_errors(got, ref)
@@ -236,7 +216,7 @@ def test_7net0_attributes(sevennet0) -> None:
 
 def test_7net0_matches_sevennet_calculator(sevennet0) -> None:
     atoms = dilute_periodic(64)
-    ref = evaluate(atoms, reference_calculator("7net-0"))
-    got = evaluate(atoms, ShardedCalculator(sevennet0))
+    ref = ase_results(reference_calculator("7net-0"), atoms)
+    got = ase_results(ShardedCalculator(sevennet0), atoms)
     errors = relative_errors(got, ref)
     assert all(errors[key] <= F32_RTOL[key] for key in errors), errors

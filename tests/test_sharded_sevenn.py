@@ -13,14 +13,13 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("sevenn")
 
+from oracles import ase_results, relative_errors  # noqa: E402
 from sharded import assert_identical_on_all_ranks  # noqa: E402
 from test_sevenn import (  # noqa: E402
     F32_RTOL,
     RTOL64,
     dilute_periodic,
-    evaluate,
     reference_calculator,
-    relative_errors,
     tiny_sevennet,
     tiny_systems,
 )
@@ -38,7 +37,8 @@ def tiny():
 @pytest.fixture(scope="module")
 def tiny_references(tiny):
     return {
-        name: evaluate(atoms, reference_calculator(tiny)) for name, atoms in tiny_systems().items()
+        name: ase_results(reference_calculator(tiny), atoms)
+        for name, atoms in tiny_systems().items()
     }
 
 
@@ -46,7 +46,7 @@ def tiny_references(tiny):
 @pytest.mark.parametrize("name", ["bulk", "slab", "cluster"])
 def test_tiny_float64(tiny, tiny_references, name: str, partition: str) -> None:
     atoms = tiny_systems()[name]
-    got = evaluate(atoms, ShardedCalculator(SevenNet(tiny), partition=partition))
+    got = ase_results(ShardedCalculator(SevenNet(tiny), partition=partition), atoms)
     ref = {key: value for key, value in tiny_references[name].items() if key in got}
     assert set(ref) == set(got)
     errors = relative_errors(got, ref)
@@ -61,8 +61,8 @@ def sevennet0():
 
 def test_7net0_periodic(sevennet0) -> None:
     atoms = dilute_periodic(n_atoms=16, box=16.0, seed=1)
-    ref = evaluate(atoms, reference_calculator("7net-0"))
-    got = evaluate(atoms, ShardedCalculator(sevennet0))
+    ref = ase_results(reference_calculator("7net-0"), atoms)
+    got = ase_results(ShardedCalculator(sevennet0), atoms)
     errors = relative_errors(got, ref)
     assert all(errors[key] <= F32_RTOL[key] for key in errors), errors
     assert_identical_on_all_ranks(got)
