@@ -14,7 +14,6 @@ import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 pytest.importorskip("nequip")
@@ -23,7 +22,7 @@ pytest.importorskip("allegro")
 import torch  # noqa: E402
 from ase import Atoms  # noqa: E402
 from ase.build import bulk, fcc111  # noqa: E402
-from oracles import relative_errors  # noqa: E402
+from oracles import ase_results, relative_errors  # noqa: E402
 
 from ase_shard import ShardedCalculator  # noqa: E402
 from ase_shard.models.nequip import Allegro, NequIP  # noqa: E402
@@ -149,17 +148,6 @@ def make_cluster() -> Atoms:
 SYSTEMS = {"bulk": make_bulk, "slab": make_slab, "cluster": make_cluster}
 
 
-def properties(atoms: Atoms) -> dict[str, np.ndarray]:
-    out = {
-        "energy": np.asarray(atoms.get_potential_energy()),
-        "energies": atoms.get_potential_energies(),
-        "forces": atoms.get_forces(),
-    }
-    if atoms.cell.rank == 3:
-        out["stress"] = atoms.get_stress()
-    return out
-
-
 def compare(kind: str, system: str, model_dtype: str = "float64", **calc_kwargs):
     """Relative errors of ShardedCalculator(adapter) against NequIPCalculator."""
     build, adapter = BUILDERS[kind]
@@ -167,7 +155,7 @@ def compare(kind: str, system: str, model_dtype: str = "float64", **calc_kwargs)
     reference = atoms.copy()
     reference.calc = nequip_calculator(build(model_dtype))
     atoms.calc = ShardedCalculator(adapter(build(model_dtype)), **calc_kwargs)
-    return relative_errors(properties(atoms), properties(reference))
+    return relative_errors(ase_results(atoms.calc, atoms), ase_results(reference.calc, reference))
 
 
 @pytest.mark.parametrize("system", sorted(SYSTEMS))
@@ -221,7 +209,9 @@ def test_type_map_and_unsupported_species() -> None:
     atoms.calc = ShardedCalculator(adapter)
     reference = atoms.copy()
     reference.calc = nequip_calculator(build_nequip())  # same weights, types named Cu Ag Au
-    errors = relative_errors(properties(atoms), properties(reference))
+    errors = relative_errors(
+        ase_results(atoms.calc, atoms), ase_results(reference.calc, reference)
+    )
     assert all(err <= RTOL64 for err in errors.values()), errors
     atoms.numbers[0] = 47  # Ag is not mapped
     with pytest.raises(ValueError):
@@ -237,7 +227,9 @@ def test_per_edge_type_cutoff(kind: str) -> None:
     reference = atoms.copy()
     reference.calc = nequip_calculator(build(per_edge_type_cutoff=cutoffs))
     atoms.calc = ShardedCalculator(adapter(build(per_edge_type_cutoff=cutoffs)))
-    errors = relative_errors(properties(atoms), properties(reference))
+    errors = relative_errors(
+        ase_results(atoms.calc, atoms), ase_results(reference.calc, reference)
+    )
     assert all(err <= RTOL64 for err in errors.values()), errors
 
     # the same edges reach nequip's energy model as in nequip's calculator

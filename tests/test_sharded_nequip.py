@@ -16,14 +16,14 @@ import pytest  # noqa: E402
 pytest.importorskip("nequip")
 pytest.importorskip("allegro")
 
-import torch  # noqa: E402
+from oracles import ase_results  # noqa: E402
 from sharded import assert_identical_on_all_ranks  # noqa: E402
 from test_nequip import (  # noqa: E402
     BUILDERS,
     RTOL64,
     SYSTEMS,
+    _nequip_default_dtype,  # noqa: F401  (autouse fixture, applies here too)
     nequip_calculator,
-    properties,
     relative_errors,
 )
 
@@ -32,16 +32,6 @@ from ase_shard.partition import PARTITIONS  # noqa: E402
 
 _MODELS: dict = {}
 _REFERENCES: dict = {}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _nequip_default_dtype():
-    """nequip's models expect its global state (default dtype float64), which it applies only
-    once per process; set it for this module and undo it for later modules."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
 
 
 def _model(kind: str):
@@ -56,7 +46,7 @@ def _reference(kind: str, system: str) -> dict:
     if (kind, system) not in _REFERENCES:
         atoms = SYSTEMS[system]()
         atoms.calc = nequip_calculator(_model(kind))
-        _REFERENCES[kind, system] = properties(atoms)
+        _REFERENCES[kind, system] = ase_results(atoms.calc, atoms)
     return _REFERENCES[kind, system]
 
 
@@ -67,7 +57,7 @@ def test_sharded_matches_nequip_calculator(kind: str, system: str, partition: st
     adapter = BUILDERS[kind][1]
     atoms = SYSTEMS[system]()
     atoms.calc = ShardedCalculator(adapter(_model(kind)), partition=partition)
-    got = properties(atoms)
+    got = ase_results(atoms.calc, atoms)
     errors = relative_errors(got, _reference(kind, system))
     assert all(err <= RTOL64 for err in errors.values()), errors
     assert_identical_on_all_ranks(got)
