@@ -1,7 +1,9 @@
 """One rank's block of atoms: local graph, evaluation and derivatives.
 
-Pure torch, no MPI: the calculator feeds it rows received from rank 0 and
-sends back per-row contributions that rank 0 sums into owners.
+Pure torch, no MPI of its own: the calculator feeds it rows received from
+rank 0 and sends back per-node contributions that rank 0 sums into owners.
+With a per-layer halo the model's ``graph.exchange`` calls are the only
+collectives inside.
 """
 
 from __future__ import annotations
@@ -9,91 +11,164 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ase_shard.exchange import HaloExchange
 from ase_shard.graph import LocalGraph
 from ase_shard.neighbors import neighbor_pairs
+from ase_shard.timing import PhaseTimer
 
-# Columns of the per-row result: owned energy, force (3), virial Voigt (6).
+# Columns of the per-node result: owned energy, force (3), virial Voigt (6).
 RESULT_COLUMNS = 10
 _VOIGT_A = [0, 1, 2, 1, 0, 0]
 _VOIGT_B = [0, 1, 2, 2, 2, 1]
 
 
 class LocalBlock:
-    """Owned rows then ghosts, with a neighbour list valid within the skin.
+    """A rank's nodes (owned, then ghosts) and edges valid within the skin.
 
     Parameters
     ----------
+    ids : (n,) int array
+        Global atom index of every row (rows as in :class:`ase_shard.halo.RankRows`).
     numbers : (n,) int array
     image_shift : (n, 3) int array
         Row position is ``row_positions + image_shift @ cell``.
-    n_owned : int
+    node : (n,) int array
+        Node of every row; rows ``[0, n_nodes)`` are the nodes.
+    n_owned, n_nodes : int
     model : ShardModel
     skin : float
         Extra neighbour-list radius in Å, so the list stays valid until some
         atom moved more than ``skin / 2``.
-    positions : (n, 3) array
+    row_positions : (n, 3) array
         Row positions (Å) at build time.
     cell : (3, 3) array
     device : torch.device
+    exchange : HaloExchange, optional
+        Per-layer halo: only edges centred on owned nodes are built and the
+        model refreshes ghost features through it.
+    timer : PhaseTimer, optional
     """
 
-    def __init__(self, numbers, image_shift, n_owned, model, skin, positions, cell, device):
+    def __init__(
+        self,
+        ids,
+        numbers,
+        image_shift,
+        node,
+        n_owned: int,
+        n_nodes: int,
+        model,
+        skin: float,
+        row_positions,
+        cell,
+        device,
+        exchange: HaloExchange | None = None,
+        timer: PhaseTimer | None = None,
+    ):
         self.device = torch.device(device)
-        self.numbers = torch.as_tensor(numbers, dtype=torch.int64, device=self.device)
-        self.image_shift = torch.as_tensor(image_shift, dtype=torch.float64, device=self.device)
-        self.n_owned = int(n_owned)
+        self.timer = timer or PhaseTimer(self.device)
+        self.ids = np.asarray(ids[:n_nodes])
+        self.numbers = torch.as_tensor(numbers[:n_nodes], dtype=torch.int64, device=self.device)
+        image_shift = torch.as_tensor(image_shift, dtype=torch.float64, device=self.device)
+        node = torch.as_tensor(node, dtype=torch.int64, device=self.device)
+        self.node_shift = image_shift[:n_nodes]
+        self.n_owned, self.n_nodes = int(n_owned), int(n_nodes)
         self.model = model
-        block_positions = self.positions(positions, cell)
-        pairs = neighbor_pairs(block_positions, float(model.cutoff) + skin).to(self.device)
-        if int(model.num_layers) == 1:
-            # a one-layer energy depends only on edges centred on the atom
-            pairs = pairs[:, pairs[0] < self.n_owned]
-        self.pairs = pairs
+        self.exchange = exchange
 
-    def positions(self, row_positions: np.ndarray, cell: np.ndarray) -> torch.Tensor:
-        """Cartesian positions (Å, float64) of every row."""
-        rows = torch.as_tensor(row_positions, dtype=torch.float64, device=self.device)
-        cell = torch.as_tensor(cell, dtype=torch.float64, device=self.device)
-        return rows + self.image_shift @ cell
+        with self.timer.phase("neighbors"):
+            rows = torch.as_tensor(row_positions, dtype=torch.float64, device=self.device)
+            cell = torch.as_tensor(cell, dtype=torch.float64, device=self.device)
+            pairs = neighbor_pairs(rows + image_shift @ cell, float(model.cutoff) + skin)
+            pairs = pairs.to(self.device)
+            # Edges centred on owned nodes suffice when the energy of an atom
+            # depends on its own edges only (one layer) or ghosts get their
+            # features from their owners (per-layer halo); folded images never
+            # centre an edge, their node already has them all.
+            owned_only = exchange is not None or int(model.num_layers) == 1
+            pairs = pairs[:, pairs[0] < (self.n_owned if owned_only else self.n_nodes)]
+            centre, neighbour_row = pairs
+            self.centre = centre
+            self.neighbour = node[neighbour_row]
+            # cells between the neighbour's row and its node
+            self.edge_shift = image_shift[neighbour_row] - image_shift[self.neighbour]
 
-    def evaluate(self, row_positions: np.ndarray, cell: np.ndarray, dtype) -> torch.Tensor:
-        """Per-row energy, force and virial contributions.
+    def node_positions(self, node_rows: np.ndarray, cell: torch.Tensor) -> torch.Tensor:
+        """Cartesian positions (Å, float64) of the nodes."""
+        rows = torch.as_tensor(node_rows, dtype=torch.float64, device=self.device)
+        return rows + self.node_shift @ cell
+
+    def evaluate(self, node_rows: np.ndarray, cell: np.ndarray, dtype) -> torch.Tensor:
+        """Per-node energy, force and virial contributions.
+
+        Parameters
+        ----------
+        node_rows : (n_nodes, 3) array
+            Positions (Å) of the nodes' rows (``positions[ids[:n_nodes]]``).
+        cell : (3, 3) array
+        dtype : torch.dtype
+            The model's precision.
 
         Returns
         -------
         torch.Tensor
-            ``(n, RESULT_COLUMNS)`` float64: per-atom energy in eV (owned rows
-            only, zero for ghosts), force in eV/Å, and the virial
-            ``sum d ⊗ dE/dd`` in eV (Voigt order xx, yy, zz, yz, xz, xy) with
-            each edge's share split evenly between its two atoms. Ghost rows
-            hold contributions that belong to their owners.
+            ``(n_nodes, RESULT_COLUMNS)`` float64: per-atom energy in eV (owned
+            nodes only), force in eV/Å, and the virial ``sum d ⊗ dE/dd`` in eV
+            (Voigt order xx, yy, zz, yz, xz, xy) with each edge's share split
+            evenly between its two atoms. Ghost rows hold contributions that
+            belong to their owners.
         """
-        positions = self.positions(row_positions, cell)
-        i, j = self.pairs
-        vectors64 = positions[j] - positions[i]
-        within = (vectors64 * vectors64).sum(dim=1) < float(self.model.cutoff) ** 2
-        i, j = i[within], j[within]
-        # edges are formed in float64, then cast, so float32 models do not
-        # lose precision to large absolute coordinates
-        vectors = vectors64[within].to(dtype).requires_grad_(True)
-        graph = LocalGraph(self.numbers, torch.stack([i, j]), vectors, self.n_owned)
-        energies = self.model(graph)
-        owned_energy = energies[: self.n_owned]
-        if vectors.shape[0] and owned_energy.requires_grad:
-            (grad,) = torch.autograd.grad(owned_energy.sum(), vectors)
-            grad = grad.to(torch.float64)
-        else:
-            grad = torch.zeros_like(vectors64[within])
+        timer = self.timer
+        with timer.phase("forward"):
+            cell = torch.as_tensor(cell, dtype=torch.float64, device=self.device)
+            positions = self.node_positions(node_rows, cell)
+            vectors64 = positions[self.neighbour] - positions[self.centre] + self.edge_shift @ cell
+            within = (vectors64 * vectors64).sum(dim=1) < float(self.model.cutoff) ** 2
+            i, j, d = self.centre[within], self.neighbour[within], vectors64[within]
+            # edges are formed in float64, then cast, so float32 models do not
+            # lose precision to large absolute coordinates
+            vectors = d.detach().to(dtype).requires_grad_(True)
+            inputs = [vectors]
+            exchange = None
+            if self.exchange is not None:
+                inputs.append(self.exchange.new_evaluation(dtype))
+                exchange = self.exchange
+            graph = LocalGraph(self.numbers, torch.stack([i, j]), vectors, self.n_owned, exchange)
+            owned_energy = self.model(graph)[: self.n_owned]
 
-        n = positions.shape[0]
-        d = vectors64[within]
-        # symmetric edge virial in Voigt order, half to each endpoint
-        edge_virial = 0.25 * (
-            d[:, _VOIGT_A] * grad[:, _VOIGT_B] + d[:, _VOIGT_B] * grad[:, _VOIGT_A]
-        )
-        rows = torch.zeros((n, RESULT_COLUMNS), dtype=torch.float64, device=self.device)
-        rows[: self.n_owned, 0] = owned_energy.detach().to(torch.float64)
-        # d = r_j - r_i, so dE/dr_j = g and dE/dr_i = -g; force is -dE/dr
-        rows[:, 1:].index_add_(0, i, torch.cat([grad, edge_virial], dim=1))
-        rows[:, 1:].index_add_(0, j, torch.cat([-grad, edge_virial], dim=1))
+        with timer.phase("backward"):
+            # with an exchange every rank must run backward (it is collective)
+            if owned_energy.requires_grad and (exchange is not None or vectors.shape[0]):
+                grad = torch.autograd.grad(owned_energy.sum(), inputs, allow_unused=True)[0]
+            else:
+                grad = None
+            grad = torch.zeros_like(d) if grad is None else grad.to(torch.float64)
+
+        with timer.phase("reverse"):
+            self._check_finite(owned_energy, grad, i, j)
+            # symmetric edge virial in Voigt order, half to each endpoint
+            edge_virial = 0.25 * (
+                d[:, _VOIGT_A] * grad[:, _VOIGT_B] + d[:, _VOIGT_B] * grad[:, _VOIGT_A]
+            )
+            rows = torch.zeros(
+                (self.n_nodes, RESULT_COLUMNS), dtype=torch.float64, device=self.device
+            )
+            rows[: self.n_owned, 0] = owned_energy.detach().to(torch.float64)
+            # d = r_j - r_i, so dE/dr_j = g and dE/dr_i = -g; force is -dE/dr
+            rows[:, 1:].index_add_(0, i, torch.cat([grad, edge_virial], dim=1))
+            rows[:, 1:].index_add_(0, j, torch.cat([-grad, edge_virial], dim=1))
         return rows
+
+    def _check_finite(self, owned_energy, grad, centre, neighbour) -> None:
+        bad_energy = ~torch.isfinite(owned_energy.detach())
+        bad_edge = ~torch.isfinite(grad).all(dim=1)
+        if bad_energy.any() or bad_edge.any():
+            nodes = torch.cat(
+                [bad_energy.nonzero().squeeze(1), centre[bad_edge], neighbour[bad_edge]]
+            )
+            atoms = np.unique(self.ids[nodes.cpu().numpy()])
+            shown = ", ".join(map(str, atoms[:10])) + (" ..." if len(atoms) > 10 else "")
+            raise FloatingPointError(
+                f"non-finite energy or forces from the model for atoms [{shown}] "
+                f"({len(atoms)} atoms)"
+            )

@@ -19,7 +19,14 @@ from ase.calculators.calculator import Calculator, all_changes
 
 from ase_shard.block import RESULT_COLUMNS, LocalBlock
 from ase_shard.comm import CALCULATE, CLOSE, Comm, describe, rebuild
-from ase_shard.graph import ShardModel, model_digest, model_dtype, receptive_field
+from ase_shard.exchange import HaloExchange, PeerFailure
+from ase_shard.graph import (
+    ShardModel,
+    model_digest,
+    model_dtype,
+    receptive_field,
+    supports_layer_halo,
+)
 from ase_shard.halo import rank_rows
 from ase_shard.partition import (
     PARTITIONS,
@@ -29,8 +36,11 @@ from ase_shard.partition import (
     spatial_owners,
 )
 from ase_shard.system import differing_fields, fingerprint, validate
+from ase_shard.timing import PhaseTimer
 
 logger = logging.getLogger(__name__)
+
+HALOS = ("layer", "full")
 
 
 def place_rank(device: Any, comm: Comm) -> torch.device:
@@ -75,6 +85,12 @@ class ShardedCalculator(Calculator):
         coordinates. ``contiguous``: blocks of atom indices.
     grid : (int, int, int), optional
         Rank grid for ``spatial``; default: the one with the smallest halo.
+    halo : {"layer", "full"}, optional
+        ``full``: ghosts cover the whole receptive field (``cutoff *
+        num_layers``) and each rank computes their features itself; works for
+        any model. ``layer``: ghosts cover one cutoff and the model refreshes
+        their features from their owners between layers (models with
+        ``supports_layer_halo``). Default: ``layer`` where supported.
 
     Results (eV, eV/Å, eV/Å³) equal the serial evaluation to round-off and are
     bitwise identical on every rank. ``stress``/``stresses`` exist only when the
@@ -94,12 +110,22 @@ class ShardedCalculator(Calculator):
         comm: Any = None,
         partition: str = "spatial",
         grid: Sequence[int] | None = None,
+        halo: str | None = None,
         **kwargs,
     ):
         if partition not in PARTITIONS:
             raise ValueError(f"partition must be one of {PARTITIONS}, not {partition!r}")
         if skin < 0:
             raise ValueError(f"skin must be >= 0 Å, not {skin}")
+        if halo is None:
+            halo = "layer" if supports_layer_halo(model) else "full"
+        if halo not in HALOS:
+            raise ValueError(f"halo must be one of {HALOS}, not {halo!r}")
+        if halo == "layer" and not supports_layer_halo(model) and int(model.num_layers) > 1:
+            raise ValueError(
+                f"{type(model).__name__} does not exchange features between its layers "
+                "(supports_layer_halo): use halo='full'"
+            )
         Calculator.__init__(self, **kwargs)
         self.comm = Comm(comm)
         if grid is not None:
@@ -123,9 +149,11 @@ class ShardedCalculator(Calculator):
             skin=float(skin),
             partition=partition,
             grid=list(grid) if grid else None,
+            halo=halo,
             model=type(model).__name__,
         )
         self.rebuilds = 0
+        self.timer = PhaseTimer(self.device)
         # set by ase_shard.worker: rank 0 drives, the other ranks serve
         self._driven = False
         self._idle_root = False
@@ -136,6 +164,29 @@ class ShardedCalculator(Calculator):
     @property
     def skin(self) -> float:
         return self.parameters["skin"]
+
+    @property
+    def halo_reach(self) -> float:
+        """Distance (Å) the ghosts must cover beyond the skin."""
+        if self.parameters["halo"] == "layer":
+            return float(self.model.cutoff)
+        return receptive_field(self.model)
+
+    @property
+    def layout_counts(self) -> list[tuple[int, int, int]] | None:
+        """Rank 0: ``(rows, owned, nodes)`` per rank of the current layout.
+
+        Rows count every atom image; nodes are what the model evaluates
+        (owned atoms plus ghost atoms), so ``nodes / owned`` is the padding.
+        """
+        if self._root_state is None:
+            return None
+        return [(r.ids.shape[0], r.n_owned, r.n_nodes) for r in self._root_state["layout"]]
+
+    def request_rebuild(self) -> None:
+        """Rebuild the decomposition at the next calculation (call on every rank)."""
+        self._root_state = None
+        self.reset()
 
     @property
     def decomposition(self) -> dict | None:
@@ -169,63 +220,101 @@ class ShardedCalculator(Calculator):
 
     def _calculate(self, atoms: Atoms | None) -> None:
         """One collective evaluation; ``atoms`` is ``None`` on serving ranks."""
-        comm = self.comm
-        plan = self._agree_on_system(atoms)
-        rebuild_now, counts, cell = plan["rebuild"], plan["counts"], np.array(plan["cell"])
-        n_rows = counts[comm.rank][0]
+        comm, timer = self.comm, self.timer
+        with timer.phase("validate"):
+            plan = self._agree_on_system(atoms)
+        rebuild_now, cell = plan["rebuild"], np.array(plan["cell"])
+        n_rows, n_owned, n_nodes, n_send = plan["counts"][comm.rank]
         root = self._root_state
 
-        if rebuild_now:
-            self.rebuilds += 1
-            layout = root["layout"] if comm.is_root else None
-            meta = comm.scatter_rows(
-                [np.column_stack([r.ids, r.image_shift, atoms.numbers[r.ids]]) for r in layout]
+        with timer.phase("scatter"):
+            if rebuild_now:
+                self.rebuilds += 1
+                meta = comm.scatter_rows(
+                    [
+                        np.column_stack([r.ids, r.image_shift, atoms.numbers[r.ids], r.node])
+                        for r in root["layout"]
+                    ]
+                    if comm.is_root
+                    else None,
+                    n_rows,
+                    (6,),
+                    np.int64,
+                )
+                send_index = comm.scatter_rows(
+                    [r.send_index for r in root["layout"]] if comm.is_root else None,
+                    n_send,
+                    (),
+                    np.int64,
+                )
+            # every row at a rebuild (for the neighbour list), then the nodes only
+            part = "rows" if rebuild_now else "nodes"
+            row_positions = comm.scatter_rows(
+                np.split(atoms.positions[root[part]], root[part + "_splits"])
                 if comm.is_root
                 else None,
-                n_rows,
-                (5,),
-                np.int64,
+                n_rows if rebuild_now else n_nodes,
+                (3,),
+                np.float64,
             )
-        row_positions = comm.scatter_rows(
-            np.split(atoms.positions[root["ids"]], root["splits"]) if comm.is_root else None,
-            n_rows,
-            (3,),
-            np.float64,
-        )
 
         error, rows = None, None
         try:
             if rebuild_now:
+                exchange = None
+                if self.parameters["halo"] == "layer":
+                    counts = np.asarray(plan["exchange_counts"])
+                    exchange = HaloExchange(
+                        comm,
+                        n_owned,
+                        send_index,
+                        counts[comm.rank],
+                        counts[:, comm.rank],
+                        self.device,
+                    )
                 self._block = LocalBlock(
+                    meta[:, 0],
                     meta[:, 4],
                     meta[:, 1:4],
-                    counts[comm.rank][1],
+                    meta[:, 5],
+                    n_owned,
+                    n_nodes,
                     self.model,
                     self.skin,
                     row_positions,
                     cell,
                     self.device,
+                    exchange,
+                    timer,
                 )
-            rows = self._block.evaluate(row_positions, cell, self.dtype).cpu().numpy()
+            rows = self._block.evaluate(row_positions[:n_nodes], cell, self.dtype).cpu().numpy()
+            # the closing status vote (see ase_shard.exchange)
+            if comm.any(False):
+                raise PeerFailure("another rank failed")
+        except PeerFailure as exc:
+            error = describe(exc, comm.rank)
         except Exception as exc:
             error = describe(exc, comm.rank)
+            comm.any(True)
         if rows is None:
-            rows = np.zeros((n_rows, RESULT_COLUMNS))
-        errors = comm.gather(error)
-        gathered = comm.gather_rows(rows, [c[0] for c in counts])
+            rows = np.zeros((n_nodes, RESULT_COLUMNS))
 
-        status, buffer = None, None
-        if comm.is_root:
-            failed = [e for e in errors if e is not None]
-            status = failed or None
-            if not failed:
-                buffer = self._assemble(atoms, gathered)
-        status = comm.bcast(status)
-        if status:
-            raise rebuild(status)
-        n_atoms = plan["n_atoms"]
-        size = 1 + 4 * n_atoms + (6 + 6 * n_atoms if plan["stress"] else 0)
-        buffer = comm.bcast_array(buffer if buffer is not None else np.empty(size))
+        with timer.phase("gather"):
+            errors = comm.gather(error)
+            gathered = comm.gather_rows(rows, [c[2] for c in plan["counts"]])
+            status, buffer = None, None
+            if comm.is_root:
+                failed = [e for e in errors if e is not None]
+                # report the ranks that failed, not those that stopped for them
+                status = [e for e in failed if e[1] != PeerFailure.__qualname__] or failed or None
+                if not failed:
+                    buffer = self._assemble(atoms, gathered)
+            status = comm.bcast(status)
+            if status:
+                raise rebuild(status)
+            n_atoms = plan["n_atoms"]
+            size = 1 + 4 * n_atoms + (6 + 6 * n_atoms if plan["stress"] else 0)
+            buffer = comm.bcast_array(buffer if buffer is not None else np.empty(size))
         if atoms is not None:
             self._store(atoms, buffer)
 
@@ -271,24 +360,27 @@ class ShardedCalculator(Calculator):
         if rebuild_now:
             state = self._build_layout(atoms)
             self._root_state = state
-            rows = [c[0] for c in state["counts"]]
             owned = [c[1] for c in state["counts"]]
+            nodes = [c[2] for c in state["counts"]]
             logger.info(
-                "rebuild %d (%s): owned atoms per rank %d-%d, rows per rank %d-%d",
+                "rebuild %d (%s): owned atoms per rank %d-%d, evaluated atoms per rank %d-%d",
                 self.rebuilds + 1,
                 reason,
                 min(owned),
                 max(owned),
-                min(rows),
-                max(rows),
+                min(nodes),
+                max(nodes),
             )
-        return {
+        plan = {
             "rebuild": rebuild_now,
             "counts": state["counts"],
             "cell": cell.tolist(),
             "n_atoms": len(atoms),
             "stress": atoms.cell.rank == 3,
         }
+        if rebuild_now:
+            plan["exchange_counts"] = [r.send_counts.tolist() for r in state["layout"]]
+        return plan
 
     def _rebuild_reason(self, atoms: Atoms, state: dict | None) -> str | None:
         """Why the decomposition must be rebuilt, or ``None`` to reuse it.
@@ -323,34 +415,41 @@ class ShardedCalculator(Calculator):
             if strain >= 0.5:
                 return "cell changed"
         displacement = np.sqrt(((atoms.positions - affine) ** 2).sum(axis=1).max())
-        reach = receptive_field(self.model)
+        reach = self.halo_reach
         growth = (reach * strain + 2.0 * displacement) / (1.0 - strain)
         if growth > self.skin:
             return f"pair distances may have changed by {growth:.3f} Å > skin"
         return None
 
     def _build_layout(self, atoms: Atoms) -> dict:
-        comm = self.comm
-        pbc = atoms.pbc.copy()
-        coords = frame_coordinates(atoms.positions, atoms.cell.array, pbc)
-        width = receptive_field(self.model) + self.skin
-        # a driving rank 0 that only runs ASE (notebook mode) owns nothing
-        first = int(self._idle_root)
-        n_compute = comm.size - first
-        if self.parameters["partition"] == "spatial":
-            grid = self.parameters["grid"] or choose_grid(coords, pbc, n_compute, width)
-            owners = spatial_owners(coords, tuple(grid)) + first
-        else:
-            owners = contiguous_owners(len(atoms), n_compute) + first
-        layout = rank_rows(coords, pbc, owners, comm.size, width)
-        ids = np.concatenate([r.ids for r in layout])
+        comm, timer = self.comm, self.timer
+        with timer.phase("partition"):
+            pbc = atoms.pbc.copy()
+            coords = frame_coordinates(atoms.positions, atoms.cell.array, pbc)
+            width = self.halo_reach + self.skin
+            # a driving rank 0 that only runs ASE (notebook mode) owns nothing
+            first = int(self._idle_root)
+            n_compute = comm.size - first
+            if self.parameters["partition"] == "spatial":
+                grid = self.parameters["grid"] or choose_grid(coords, pbc, n_compute, width)
+                owners = spatial_owners(coords, tuple(grid)) + first
+            else:
+                owners = contiguous_owners(len(atoms), n_compute) + first
+        with timer.phase("halo"):
+            layout = rank_rows(
+                coords, pbc, owners, comm.size, width, self.parameters["halo"] == "layer"
+            )
+            rows = np.concatenate([r.ids for r in layout])
+            nodes = np.concatenate([r.ids[: r.n_nodes] for r in layout])
         return {
             "atoms": atoms.copy(),
             "layout": layout,
-            "ids": ids,
-            "gather_index": torch.from_numpy(ids),
-            "splits": np.cumsum([len(r.ids) for r in layout])[:-1],
-            "counts": [(len(r.ids), r.n_owned) for r in layout],
+            "rows": rows,
+            "rows_splits": np.cumsum([len(r.ids) for r in layout])[:-1],
+            "nodes": nodes,
+            "nodes_splits": np.cumsum([r.n_nodes for r in layout])[:-1],
+            "gather_index": torch.from_numpy(nodes),
+            "counts": [(len(r.ids), r.n_owned, r.n_nodes, len(r.send_index)) for r in layout],
         }
 
     def _assemble(self, atoms: Atoms, gathered: np.ndarray) -> np.ndarray:

@@ -123,6 +123,35 @@ class Comm:
             self.mpi.Gatherv(rows, None, root=0)
         return recv
 
+    def alltoallv_rows(
+        self, send: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray
+    ) -> np.ndarray:
+        """Personalised all-to-all of rows (any dtype, any row shape).
+
+        ``send`` holds the rows for rank 0, then rank 1, ... (``send_counts``
+        of each); returns the rows received, grouped by sending rank.
+        """
+        send = np.ascontiguousarray(send)
+        recv = np.empty((int(np.sum(recv_counts)), *send.shape[1:]), dtype=send.dtype)
+        if self.mpi is None:
+            recv[...] = send
+            return recv
+        from mpi4py import MPI
+
+        # counted in bytes, so one call moves any dtype and feature shape
+        row_bytes = send.dtype.itemsize * int(np.prod(send.shape[1:], dtype=np.int64))
+        spec = []
+        for buffer, counts in ((send, send_counts), (recv, recv_counts)):
+            sizes = np.asarray(counts, dtype=np.int64) * row_bytes
+            offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+            spec.append([buffer.reshape(-1).view(np.uint8), (sizes, offsets), MPI.BYTE])
+        self.mpi.Alltoallv(spec[0], spec[1])
+        return recv
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is true on any rank."""
+        return bool(flag) if self.mpi is None else bool(self.mpi.allreduce(bool(flag), op=_lor()))
+
     def node_placement(self) -> tuple[int, int]:
         """``(rank, size)`` among the processes of this communicator on this node."""
         if self.mpi is None:
@@ -175,3 +204,9 @@ def _mpi_type(dtype):
     from mpi4py import MPI
 
     return MPI._typedict[np.dtype(dtype).char]
+
+
+def _lor():
+    from mpi4py import MPI
+
+    return MPI.LOR

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -12,12 +12,15 @@ import torch
 
 @dataclass
 class LocalGraph:
-    """One rank's block of atoms: owned rows first, then ghosts.
+    """One rank's block of atoms: owned nodes first, then ghost nodes.
+
+    A node is one atom; periodic images of an atom are not extra nodes but
+    edges whose vectors include the image shift, as in a periodic graph.
 
     Attributes
     ----------
     numbers : torch.Tensor
-        ``(n,)`` int64 atomic numbers of all local rows.
+        ``(n,)`` int64 atomic numbers of all local nodes.
     edge_index : torch.Tensor
         ``(2, E)`` int64 directed edges ``(centre, neighbour)``; both directions
         of every pair within ``cutoff`` are present (a full list).
@@ -26,17 +29,25 @@ class LocalGraph:
         already applied. Differentiable: forces and stress are derived from
         ``dE/d edge_vectors``.
     n_owned : int
-        Rows ``[0, n_owned)`` are owned by this rank; their energies count.
+        Nodes ``[0, n_owned)`` are owned by this rank; their energies count.
+    exchange : callable or None
+        Per-layer halo (``halo="layer"``): every edge is centred on an owned
+        node, and ``exchange(owned_features)`` turns ``(n_owned, ...)``
+        features into ``(n, ...)`` ones whose ghost rows hold their owners'
+        values. A message-passing model calls it between layers, the same
+        number of times on every rank (it is collective). ``None`` (full
+        halo): ghost features are computed locally; nothing to exchange.
     """
 
     numbers: torch.Tensor
     edge_index: torch.Tensor
     edge_vectors: torch.Tensor
     n_owned: int
+    exchange: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def n_atoms(self) -> int:
-        """Number of local rows (owned + ghosts)."""
+        """Number of local nodes (owned + ghosts)."""
         return int(self.numbers.shape[0])
 
 
@@ -51,6 +62,10 @@ class ShardModel(Protocol):
     ``forward(graph)`` returns ``(n,)`` per-atom energies in eV for every local
     row. Messages flow into the centre ``edge_index[0]``: after one layer the
     energy of atom ``i`` may depend only on the edges centred on ``i``.
+
+    A model that sets ``supports_layer_halo = True`` calls
+    ``graph.exchange`` between its layers when it is not ``None``; it then
+    runs with a one-cutoff halo (``ShardedCalculator(halo="layer")``).
     """
 
     cutoff: float
@@ -58,6 +73,11 @@ class ShardModel(Protocol):
     atomic_types: Sequence[int] | None
 
     def __call__(self, graph: LocalGraph) -> torch.Tensor: ...
+
+
+def supports_layer_halo(model: ShardModel) -> bool:
+    """Whether the model exchanges ghost features between layers itself."""
+    return bool(getattr(model, "supports_layer_halo", False))
 
 
 def receptive_field(model: ShardModel) -> float:

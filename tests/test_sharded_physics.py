@@ -90,15 +90,34 @@ def test_message_passing_equals_serial(pbc, partition: str) -> None:
     assert_identical_on_all_ranks(got)
 
 
+@pytest.mark.mpi(min_size=2)
 def test_halo_one_cutoff_too_thin_is_wrong() -> None:
-    """Declaring one layer fewer than the model runs gives wrong forces."""
+    """A full halo one cutoff short of the receptive field gives wrong forces.
+
+    Only atoms of other ranks are ghosts (images of owned atoms fold onto
+    them), so this needs at least two ranks.
+    """
     atoms = random_gas((True, True, True))
     oracle = evaluate_periodic_graph(ToyMessagePassing(num_layers=3), atoms)
     liar = ToyMessagePassing(num_layers=3)
     liar.num_layers = 2
-    atoms.calc = ShardedCalculator(liar, skin=0.0)
+    atoms.calc = ShardedCalculator(liar, skin=0.0, halo="full")
     errors = relative_errors(results(atoms), {"forces": oracle["forces"]})
     assert errors["forces"] > 1e-5
+
+
+@pytest.mark.parametrize("halo", ["full", "layer"])
+def test_one_rank_evaluates_no_ghosts(halo: str) -> None:
+    """On one rank, periodic images are edges to owned atoms, not ghost atoms."""
+    atoms = random_gas((True, True, True))
+    model = ToyMessagePassing(num_layers=3)
+    calc = ShardedCalculator(model, comm=serial_comm(), halo=halo)
+    atoms.calc = calc
+    got = results(atoms)
+    ((rows, owned, nodes),) = calc.layout_counts
+    assert nodes == owned == len(atoms) < rows
+    oracle = evaluate_periodic_graph(model, atoms)
+    _assert_close(got, {k: oracle[k] for k in ("energy", "energies", "forces", "stress")})
 
 
 @pytest.mark.parametrize("partition", PARTITIONS)

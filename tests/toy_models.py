@@ -15,10 +15,12 @@ class ToyMessagePassing(torch.nn.Module):
     Node features start from a per-element embedding; each layer adds
     ``tanh(sum_j f_c(r_ij) h_j W)`` (cosine cutoff ``f_c``), so an atom's energy depends on
     every atom within ``num_layers * cutoff`` (Å). Weights are random but fixed
-    by ``seed``; energies are in eV-like units of order 0.1-1.
+    by ``seed``; energies are in eV-like units of order 0.1-1. Between layers it
+    takes ghost features from their owners when the calculator exchanges them.
     """
 
     atomic_types = None
+    supports_layer_halo = True
 
     def __init__(self, cutoff: float = 3.0, num_layers: int = 3, features: int = 8, seed: int = 0):
         super().__init__()
@@ -44,7 +46,9 @@ class ToyMessagePassing(torch.nn.Module):
         r = torch.linalg.vector_norm(graph.edge_vectors, dim=-1)
         radial = 0.5 * (torch.cos(math.pi * r / self.cutoff) + 1.0)
         h = self.embedding[graph.numbers]
-        for weight in self.weights:
+        for layer, weight in enumerate(self.weights):
+            if layer and graph.exchange is not None:
+                h = graph.exchange(h[: graph.n_owned])
             messages = torch.zeros_like(h).index_add(0, centre, radial[:, None] * h[neighbour])
             h = h + torch.tanh(messages @ weight)
         return h @ self.readout
