@@ -3,6 +3,7 @@
 ::
 
     ase-shard md [STRUCTURE] [options]     molecular dynamics of a file or a built-in system
+    ase-shard bench [STRUCTURE] [options]  time the bare model and ShardedCalculator
     ase-shard info                         MPI library, ranks, devices, versions
     mpirun -n 4 ase-shard md ...           the same, on 4 ranks
 
@@ -21,6 +22,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.metadata
+import json
+import os
 import platform
 import socket
 import sys
@@ -34,6 +37,9 @@ import numpy as np
 import torch
 from ase import Atoms, units
 from ase.build import bulk
+from ase.calculators.emt import EMT as AseEMT
+from ase.calculators.lj import LennardJones as AseLennardJones
+from ase.calculators.morse import MorsePotential as AseMorse
 from ase.cluster import Icosahedron
 from ase.constraints import FixCom
 from ase.io import Trajectory, read
@@ -47,7 +53,8 @@ from ase.md.verlet import VelocityVerlet
 from ase.parallel import parprint, world
 
 import ase_shard
-from ase_shard.calculator import ShardedCalculator
+from ase_shard.bench import ML_MODELS, BenchSettings, format_summary, plot_report, run_benchmark
+from ase_shard.calculator import HALOS, ShardedCalculator
 from ase_shard.comm import Comm
 from ase_shard.models import EMT, LennardJones, Morse
 from ase_shard.partition import PARTITIONS
@@ -58,6 +65,12 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "lj": partial(LennardJones, sigma=3.4, epsilon=0.0104, rc=8.5, smooth=True),
     # copper-like, nearest neighbours at r0 = 2.55 Å
     "morse": partial(Morse, epsilon=0.35, r0=2.55, rho0=4.0),
+}
+# ASE's own calculators with the parameters of MODELS, for `bench --ase-reference`
+ASE_CALCULATORS: dict[str, Callable[[], object]] = {
+    "emt": AseEMT,
+    "lj": partial(AseLennardJones, sigma=3.4, epsilon=0.0104, rc=8.5, smooth=True),
+    "morse": partial(AseMorse, epsilon=0.35, r0=2.55, rho0=4.0),
 }
 ENSEMBLES = ("nve", "langevin", "nvt-berendsen", "npt-berendsen")
 # fcc argon at the density of the liquid near its boiling point, 1.40 g/cm³
@@ -143,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=ase_shard.__version__)
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     add_md(subparsers)
+    add_bench(subparsers)
     add_info(subparsers)
     return parser
 
@@ -410,6 +424,125 @@ def print_summary(
         f"  final T        {atoms.get_temperature():.2f} K",
     ]
     parprint("\n".join(lines), flush=True)
+
+
+# ----------------------------------------------------------------------------- bench
+
+
+def add_bench(subparsers: argparse._SubParsersAction) -> None:
+    """Declare ``ase-shard bench``."""
+    bench = subparsers.add_parser(
+        "bench",
+        help="time the bare model and ShardedCalculator on this run's ranks",
+        description="In one run: the bare model (the whole system as one graph, same "
+        "neighbour-list library, rank 0 alone), ShardedCalculator on one rank (rank 0 alone) "
+        "and on all ranks of the run, optionally ASE's own calculator, and the machine's "
+        "speed-up ceiling (a fixed single-thread loop, alone and split over the ranks). "
+        "Each over steps that reuse the decomposition and steps that rebuild it. Rank 0 "
+        "prints a summary and writes JSON and a PNG. Systems and --size as for `md`.",
+    )
+    bench.add_argument("structure", nargs="?", metavar="STRUCTURE", help="structure file")
+    bench.add_argument("--system", choices=SYSTEMS, help="built-in system (default cu-bulk)")
+    bench.add_argument("--size", type=int, help="size N of the built-in system")
+    bench.add_argument(
+        "--model",
+        choices=[*MODELS, *ML_MODELS],
+        help="potential (default: the system's); sevennet and mace are random-weight models "
+        "of the real architectures (packages sevenn / mace-torch)",
+    )
+    bench.add_argument("--dtype", choices=("float64", "float32"), help="default: the model's")
+    bench.add_argument("--ml-cutoff", type=float, default=5.0, help="sevennet/mace, Å (5)")
+    bench.add_argument("--ml-channels", type=int, default=32, help="sevennet/mace width (32)")
+    bench.add_argument("--ml-layers", type=int, help="sevennet/mace interaction layers (3 / 2)")
+    bench.add_argument("--reuse-steps", type=int, default=5, help="timed reuse steps (5)")
+    bench.add_argument("--rebuild-steps", type=int, default=3, help="timed rebuild steps (3)")
+    bench.add_argument("--skin", type=float, default=0.5, help="neighbour skin, Å (0.5)")
+    bench.add_argument("--partition", choices=PARTITIONS, default="spatial")
+    bench.add_argument(
+        "--halo", choices=HALOS, help="ghost scheme (default: layer where the model supports it)"
+    )
+    bench.add_argument("--device", help="torch device (default: the calculator's choice)")
+    bench.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads per rank (default: OMP_NUM_THREADS, else "
+        "the calculator's share of the node's cores)",
+    )
+    bench.add_argument("--seed", type=int, default=42, help="displacements, weights (42)")
+    bench.add_argument(
+        "--ase-reference", action="store_true", help="also time ASE's own EMT/LJ/Morse"
+    )
+    bench.add_argument(
+        "--no-serial-reference",
+        action="store_true",
+        help="on several ranks, skip ShardedCalculator on rank 0 alone",
+    )
+    bench.add_argument(
+        "--ceiling-seconds", type=float, default=0.5, help="length of the ceiling loop (0.5 s)"
+    )
+    bench.add_argument("--json", default="ase-shard-bench.json", help="report file")
+    bench.add_argument("--plot", default="ase-shard-bench.png", help="PNG (needs matplotlib)")
+    bench.add_argument("--no-plot", action="store_true", help="write no PNG")
+    bench.set_defaults(run=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """``ase-shard bench``: measure, then rank 0 prints and writes the report."""
+    if args.threads is not None:
+        if args.threads < 1:
+            raise CLIError(f"--threads must be >= 1, not {args.threads}")
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the calculator keeps it
+        torch.set_num_threads(args.threads)
+    atoms, defaults, label = load_system(args)
+    name = args.model or defaults.model
+    if args.ase_reference and name not in ASE_CALCULATORS:
+        raise CLIError(f"--ase-reference needs one of {', '.join(ASE_CALCULATORS)}, not {name}")
+    if name in ML_MODELS:
+        layers = {} if args.ml_layers is None else {"num_layers": args.ml_layers}
+        model = ML_MODELS[name](
+            atoms.numbers,
+            cutoff=args.ml_cutoff,
+            channels=args.ml_channels,
+            seed=args.seed,
+            **layers,
+        )
+    else:
+        model = MODELS[name]()
+    try:
+        settings = BenchSettings(
+            reuse_steps=args.reuse_steps,
+            rebuild_steps=args.rebuild_steps,
+            skin=args.skin,
+            seed=args.seed,
+            serial_reference=not args.no_serial_reference,
+            ceiling_seconds=args.ceiling_seconds,
+            calculator={"partition": args.partition, "halo": args.halo, "device": args.device},
+        )
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    parprint(
+        f"ase-shard bench: {label}, {len(atoms)} atoms, {name} on {world.size} rank(s)",
+        flush=True,
+    )
+    arguments = {k: v for k, v in vars(args).items() if k != "run"}
+    report = run_benchmark(
+        atoms,
+        model,
+        settings,
+        dtype=getattr(torch, args.dtype) if args.dtype else None,
+        ase_calculator=ASE_CALCULATORS[name] if args.ase_reference else None,
+        labels={"system": label, "model": name, "arguments": arguments},
+    )
+    if report is None:
+        return 0
+    with open(args.json, "w") as file:
+        json.dump(report, file, indent=1)
+    outputs = [args.json]
+    if not args.no_plot:
+        plot_report(report, args.plot)
+        outputs.append(args.plot)
+    print(format_summary(report) + "\n\n  wrote " + ", ".join(outputs), flush=True)
+    return 0
 
 
 # ----------------------------------------------------------------------------- info

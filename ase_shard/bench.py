@@ -1,0 +1,917 @@
+"""``ase-shard bench``: the bare model against ``ShardedCalculator``, in one run.
+
+One run measures, for one model and one system, under whatever rank count it
+was started with (``P``):
+
+- ``bare``: the model evaluated directly on the whole system as one periodic
+  graph: the same neighbour-list library (``vesin``) with the same skin, the
+  neighbour list reused between rebuilds, but no partition, halo or MPI. Rank 0
+  alone; the other ranks wait.
+- ``sharded_1`` (only when ``P > 1``): ``ShardedCalculator`` on a one-rank
+  communicator, rank 0 alone.
+- ``sharded``: ``ShardedCalculator`` on all ``P`` ranks.
+- ``ase`` (optional): the model's own ASE calculator (EMT, LJ, Morse), rank 0
+  alone.
+- ``ceiling``: the machine's own limit for the speed-up, a fixed single-thread
+  tanh/matmul loop on rank 0 alone and the same loop split over the ``P``
+  ranks.
+
+Every configuration evaluates the same sequence of positions: small random
+displacements of the input structure, so that ``reuse`` steps keep the
+decomposition (and neighbour list) and ``rebuild`` steps rebuild it on every
+call. A timed step starts on all ranks together (a barrier) and ends when the
+slowest rank is done, so rank-0-only and all-rank work are timed the same way.
+Each phase also records its peak memory and, for ``ShardedCalculator``, the
+per-rank breakdown of :data:`ase_shard.timing.PHASES` and the layout sizes.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import ctypes.util
+import gc
+import math
+import os
+import platform
+import resource
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import vesin
+from ase import Atoms
+from ase.calculators.calculator import Calculator
+from ase.data import chemical_symbols
+
+import ase_shard
+from ase_shard.calculator import ShardedCalculator
+from ase_shard.comm import Comm
+from ase_shard.graph import LocalGraph
+from ase_shard.timing import PHASES, PhaseTimer
+
+_VOIGT_A = [0, 1, 2, 1, 0, 0]
+_VOIGT_B = [0, 1, 2, 2, 2, 1]
+# rows x width of the ceiling's tanh/matmul loop: small enough for the L2 cache
+_CEILING_SHAPE = (256, 64)
+_CEILING_REPEATS = 5
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """What one benchmark run does.
+
+    Attributes
+    ----------
+    reuse_steps, rebuild_steps : int
+        Timed steps that reuse the decomposition / rebuild it on every call.
+    skin : float
+        Neighbour-list skin (Å) of the calculator and of the bare model.
+    seed : int
+        Seed of the displacements (the same on every rank).
+    serial_reference : bool
+        With ``P > 1`` ranks, also time ``ShardedCalculator`` on rank 0 alone.
+    ceiling_seconds : float
+        Duration of the ceiling's single-rank loop.
+    calculator : dict
+        Further keyword arguments of ``ShardedCalculator`` (``device``, ...).
+    """
+
+    reuse_steps: int = 5
+    rebuild_steps: int = 3
+    skin: float = 0.5
+    seed: int = 0
+    serial_reference: bool = True
+    ceiling_seconds: float = 0.5
+    calculator: dict | None = None
+
+    def __post_init__(self) -> None:
+        if self.reuse_steps < 1 or self.rebuild_steps < 1:
+            raise ValueError("reuse_steps and rebuild_steps must be >= 1")
+        if self.skin < 0 or self.ceiling_seconds <= 0:
+            raise ValueError("skin must be >= 0 and ceiling_seconds > 0")
+
+    @property
+    def amplitude(self) -> float:
+        """Largest displacement per axis (Å): any two steps differ by < ``skin / 2``."""
+        return self.skin / 12 if self.skin > 0 else 1e-3
+
+
+# ----------------------------------------------------------------------- the bare model
+
+
+class BareModel:
+    """A model evaluated on the whole system as one periodic graph, without decomposition.
+
+    The neighbour list (``vesin``, periodic, radius ``cutoff + skin``) is built
+    by :meth:`build` and reused by :meth:`evaluate` until the next build, as
+    ``ShardedCalculator`` reuses its local lists. Each evaluation forms the
+    edge vectors in float64, keeps those within ``cutoff``, runs the model and
+    one backward pass, and sums forces and per-atom virials, so it delivers what
+    ``ShardedCalculator`` delivers.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A ``ShardModel``, already on ``device`` in ``dtype``.
+    skin : float
+        Extra neighbour-list radius (Å).
+    dtype : torch.dtype
+    device : torch.device
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, skin: float, dtype: torch.dtype, device: torch.device
+    ):
+        self.model = model
+        self.skin = skin
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.timer = PhaseTimer(self.device)
+        self.pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def build(self, atoms: Atoms) -> None:
+        """The periodic neighbour list of ``atoms`` within ``cutoff + skin``."""
+        with self.timer.phase("neighbors"):
+            periodic = atoms.pbc.any()
+            box = atoms.cell.array if periodic else np.zeros((3, 3))
+            nl = vesin.NeighborList(cutoff=float(self.model.cutoff) + self.skin, full_list=True)
+            i, j, shifts = nl.compute(atoms.positions, box, periodic=atoms.pbc, quantities="ijS")
+            self.pairs = tuple(
+                torch.as_tensor(a.astype(np.int64), device=self.device) for a in (i, j, shifts)
+            )
+
+    def evaluate(self, atoms: Atoms) -> dict[str, np.ndarray]:
+        """Energy, per-atom energies, forces and virial (eV, eV/Å, eV) of ``atoms``."""
+        timer, device = self.timer, self.device
+        with timer.phase("forward"):
+            i, j, shifts = self.pairs
+            positions = torch.as_tensor(atoms.positions, device=device)
+            cell = torch.as_tensor(atoms.cell.array, device=device)
+            vectors64 = positions[j] - positions[i] + shifts.to(torch.float64) @ cell
+            within = (vectors64 * vectors64).sum(dim=1) < float(self.model.cutoff) ** 2
+            i, j, d = i[within], j[within], vectors64[within]
+            vectors = d.to(self.dtype).detach().requires_grad_(True)
+            numbers = torch.as_tensor(atoms.numbers, dtype=torch.int64, device=device)
+            graph = LocalGraph(numbers, torch.stack([i, j]), vectors, len(atoms))
+            energies = self.model(graph)
+        with timer.phase("backward"):
+            (grad,) = torch.autograd.grad(energies.sum(), vectors)
+            grad = grad.to(torch.float64)
+        with timer.phase("reverse"):
+            edge_virial = 0.25 * (
+                d[:, _VOIGT_A] * grad[:, _VOIGT_B] + d[:, _VOIGT_B] * grad[:, _VOIGT_A]
+            )
+            rows = torch.zeros((len(atoms), 9), dtype=torch.float64, device=device)
+            rows.index_add_(0, i, torch.cat([grad, edge_virial], dim=1))
+            rows.index_add_(0, j, torch.cat([-grad, edge_virial], dim=1))
+            energies = energies.detach().to(torch.float64)
+            out = {
+                "energy": energies.sum().cpu().numpy(),
+                "energies": energies.cpu().numpy(),
+                "forces": rows[:, :3].cpu().numpy(),
+                "virial": rows[:, 3:].sum(dim=0).cpu().numpy(),
+            }
+        return out
+
+
+# ----------------------------------------------------------------------- random ML models
+
+
+def random_sevennet(
+    numbers: Sequence[int],
+    *,
+    cutoff: float = 5.0,
+    channels: int = 32,
+    num_layers: int = 3,
+    seed: int = 0,
+) -> torch.nn.Module:
+    """A random-weight SevenNet of the real architecture (``lmax`` 2), float64.
+
+    Needs the ``sevenn`` package. The same ``seed`` gives the same weights on
+    every rank.
+    """
+    import sevenn._const as const
+    import sevenn._keys as KEY
+    import sevenn.util
+    from sevenn.model_build import build_E3_equivariant_model
+
+    from ase_shard.models.sevenn import SevenNet
+
+    symbols = sorted(chemical_symbols[z] for z in np.unique(numbers))
+    config = copy.deepcopy(const.DEFAULT_E3_EQUIVARIANT_MODEL_CONFIG)
+    config.update(sevenn.util.chemical_species_preprocess(symbols))
+    config.update(
+        {
+            KEY.CUTOFF: cutoff,
+            KEY.NODE_FEATURE_MULTIPLICITY: channels,
+            KEY.LMAX: 2,
+            KEY.IS_PARITY: False,
+            KEY.NUM_CONVOLUTION: num_layers,
+            KEY.CONV_DENOMINATOR: 30.0,
+            KEY.USE_SPECIES_WISE_SHIFT_SCALE: True,
+            KEY.SHIFT: [-3.0] * len(symbols),  # eV per atom
+            KEY.SCALE: [1.0] * len(symbols),
+        }
+    )
+    torch.manual_seed(seed)
+    return SevenNet(build_E3_equivariant_model(config).double())
+
+
+def random_mace(
+    numbers: Sequence[int],
+    *,
+    cutoff: float = 5.0,
+    channels: int = 32,
+    num_layers: int = 2,
+    seed: int = 0,
+) -> torch.nn.Module:
+    """A random-weight ScaleShiftMACE (hidden ``Cx0e + Cx1o``, ``max_ell`` 2), float64.
+
+    Needs the ``mace-torch`` package (its own environment, ``.venv-mace``).
+    """
+    from e3nn import o3
+    from mace import modules
+
+    from ase_shard.models.mace import MACE
+
+    elements = [int(z) for z in np.unique(numbers)]
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # MACE's buffers take the default dtype
+    try:
+        network = modules.ScaleShiftMACE(
+            r_max=cutoff,
+            num_bessel=8,
+            num_polynomial_cutoff=5,
+            max_ell=2,
+            interaction_cls=modules.interaction_classes["RealAgnosticResidualInteractionBlock"],
+            interaction_cls_first=modules.interaction_classes[
+                "RealAgnosticResidualInteractionBlock"
+            ],
+            num_interactions=num_layers,
+            num_elements=len(elements),
+            hidden_irreps=o3.Irreps(f"{channels}x0e+{channels}x1o"),
+            MLP_irreps=o3.Irreps("16x0e"),
+            atomic_energies=np.full(len(elements), -3.0),
+            avg_num_neighbors=40.0,
+            atomic_numbers=elements,
+            correlation=3,
+            gate=torch.nn.functional.silu,
+            radial_MLP=[64, 64, 64],
+            atomic_inter_scale=1.0,
+            atomic_inter_shift=0.0,
+        )
+    finally:
+        torch.set_default_dtype(previous)
+    return MACE(network)
+
+
+ML_MODELS: dict[str, Callable[..., torch.nn.Module]] = {
+    "sevennet": random_sevennet,
+    "mace": random_mace,
+}
+
+
+# ----------------------------------------------------------------------- memory
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c"))
+
+
+def _release_memory() -> None:
+    """Collect garbage and hand freed heap back to the OS (glibc), so a phase's peak
+    starts from what is still in use."""
+    gc.collect()
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+def _rss_mb() -> float | None:
+    """Resident memory of this process now (MiB), ``None`` without ``/proc``."""
+    try:
+        with open("/proc/self/statm") as statm:
+            pages = int(statm.read().split()[1])
+    except OSError:
+        return None
+    return pages * resource.getpagesize() / 2**20
+
+
+def _reset_rss_peak() -> bool:
+    """Reset this process's peak resident memory to its current one (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        return False
+    return True
+
+
+class PeakMemory:
+    """Peak memory of this process over one phase of the benchmark.
+
+    ``ru_maxrss`` is a high-water mark over the process's life; on Linux it is
+    reset at :meth:`start` (``/proc/self/clear_refs``), elsewhere a phase's
+    peak includes every earlier phase (``reset`` is then false). On CUDA the
+    peak of ``torch.cuda.max_memory_allocated`` is reported too.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.device = device
+        self.reset = False
+        self.start_mb: float | None = None
+
+    def start(self) -> None:
+        _release_memory()
+        self.reset = _reset_rss_peak()
+        self.start_mb = _rss_mb()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def stop(self) -> dict:
+        """``peak_rss_mb``, ``start_rss_mb``, their difference and (CUDA) ``cuda_peak_mb``."""
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak_mb = peak / (2**20 if platform.system() == "Darwin" else 2**10)
+        out = {
+            "peak_rss_mb": peak_mb,
+            "start_rss_mb": self.start_mb,
+            "peak_rss_delta_mb": None if self.start_mb is None else peak_mb - self.start_mb,
+            "peak_reset": self.reset,
+        }
+        if self.cuda:
+            out["cuda_peak_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
+        return out
+
+
+# ----------------------------------------------------------------------- measurement
+
+
+class Displacements:
+    """The positions of step ``k``: the input structure moved by a seeded random amount.
+
+    Every rank computes the same positions. Any two steps differ by less than
+    ``skin / 2`` per atom, so a decomposition built at one step stays valid
+    for all others.
+    """
+
+    def __init__(self, atoms: Atoms, amplitude: float, seed: int):
+        self.base = atoms.positions.copy()
+        self.amplitude = amplitude
+        self.seed = seed
+
+    def __call__(self, step: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, step])
+        return self.base + rng.uniform(-self.amplitude, self.amplitude, self.base.shape)
+
+
+class _ShardedSubject:
+    """``ShardedCalculator`` as a benchmark subject."""
+
+    def __init__(self, calc: ShardedCalculator, atoms: Atoms):
+        self.calc = calc
+        self.atoms = atoms
+        atoms.calc = calc
+        self.timer = calc.timer
+
+    def evaluate(self, rebuild: bool) -> tuple[float, np.ndarray]:
+        if rebuild:
+            self.calc.request_rebuild()
+        forces = self.atoms.get_forces()
+        return self.atoms.get_potential_energy(), forces
+
+    def rebuilds(self) -> int:
+        return self.calc.rebuilds
+
+
+class _BareSubject:
+    """:class:`BareModel` as a benchmark subject; a rebuild rebuilds its neighbour list."""
+
+    def __init__(self, bare: BareModel, atoms: Atoms):
+        self.bare = bare
+        self.atoms = atoms
+        self.timer = bare.timer
+        self.builds = 0
+
+    def evaluate(self, rebuild: bool) -> tuple[float, np.ndarray]:
+        if rebuild or self.bare.pairs is None:
+            self.bare.build(self.atoms)
+            self.builds += 1
+        out = self.bare.evaluate(self.atoms)
+        return float(out["energy"]), out["forces"]
+
+    def rebuilds(self) -> int:
+        return self.builds
+
+
+class _AseSubject:
+    """An ASE calculator (it keeps its own neighbour list) as a benchmark subject."""
+
+    timer = None
+
+    def __init__(self, calc: Calculator, atoms: Atoms):
+        self.atoms = atoms
+        atoms.calc = calc
+
+    def evaluate(self, rebuild: bool) -> tuple[float, np.ndarray]:
+        forces = self.atoms.get_forces()
+        return self.atoms.get_potential_energy(), forces
+
+    def rebuilds(self) -> int:
+        return 0
+
+
+def _on_root(comm: Comm, compute: Callable[[], Any]) -> Any:
+    """``compute()`` on rank 0 while the other ranks wait; its value on rank 0
+    (``None`` elsewhere). An error on rank 0 is raised on every rank."""
+    value, error = None, None
+    if comm.is_root:
+        try:
+            value = compute()
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    error = comm.bcast(error)
+    if error is not None:
+        raise RuntimeError(f"rank 0 failed while the other ranks waited: {error}")
+    return value
+
+
+def _measure(
+    subject: Any,
+    moves: Displacements,
+    settings: BenchSettings,
+    comm: Comm | None,
+    kinds: Sequence[str] = ("reuse", "rebuild"),
+) -> dict:
+    """Time ``subject`` over the step sequence.
+
+    ``comm`` is the communicator of a subject that all its ranks evaluate
+    together (each timed step then starts at a barrier and lasts until the
+    slowest rank is done), ``None`` for one that runs on this rank alone.
+    Returns the first call's time and, per kind, the step times, energies,
+    the phase breakdown per step (a list per rank), the rebuild count and the
+    last step's forces (``"forces"``, an array).
+    """
+    atoms = subject.atoms
+
+    def timed(step: int, rebuild: bool) -> tuple[float, float, np.ndarray]:
+        atoms.positions = moves(step)
+        if comm is not None:
+            comm.allgather(None)  # all ranks start together
+        start = time.perf_counter()
+        energy, forces = subject.evaluate(rebuild)
+        elapsed = time.perf_counter() - start
+        if comm is not None:
+            elapsed = max(comm.allgather(elapsed))
+        return elapsed, energy, forces
+
+    first = timed(0, rebuild=True)[0]
+    out: dict[str, Any] = {"first_call_s": first}
+    counts = {"reuse": settings.reuse_steps, "rebuild": settings.rebuild_steps}
+    step = 1
+    for kind in kinds:
+        if subject.timer is not None:
+            subject.timer.reset()
+        builds = subject.rebuilds()
+        samples, energies = [], []
+        for _ in range(counts[kind]):
+            elapsed, energy, forces = timed(step, rebuild=kind == "rebuild")
+            samples.append(elapsed)
+            energies.append(float(energy))
+            step += 1
+        n = max(counts[kind], 1)
+        result = {
+            "step_s": float(np.median(samples)) if samples else None,
+            "samples_s": samples,
+            "energies": energies,
+            "rebuilds": subject.rebuilds() - builds,
+            "forces": forces,
+        }
+        if subject.timer is not None:
+            mine = {phase: subject.timer.totals[phase] / n for phase in PHASES}
+            ranks = [mine] if comm is None else comm.allgather(mine)
+            result["breakdown"] = {phase: [r[phase] for r in ranks] for phase in PHASES}
+        out[kind] = result
+    return out
+
+
+def _layout(calc: ShardedCalculator) -> list[list[int]] | None:
+    """Rank 0: ``[rows, owned, nodes]`` per rank of the calculator's layout."""
+    counts = calc.layout_counts
+    return None if counts is None else [[int(n) for n in c] for c in counts]
+
+
+def _one_rank_comm(comm: Comm) -> Any:
+    """A communicator holding only this rank (collective over ``comm``); ``None`` serially."""
+    return None if comm.mpi is None else comm.mpi.Split(comm.rank, 0)
+
+
+def _spin(iterations: int) -> None:
+    """The ceiling's fixed single-thread work: ``iterations`` of tanh(x @ w)."""
+    x = torch.full(_CEILING_SHAPE, 0.5, dtype=torch.float64)
+    w = torch.full((_CEILING_SHAPE[1], _CEILING_SHAPE[1]), 1.0 / _CEILING_SHAPE[1])
+    w = w.to(torch.float64)
+    for _ in range(iterations):
+        x = torch.tanh(x @ w + 0.1)
+
+
+def measure_ceiling(comm: Comm, seconds: float) -> dict:
+    """The machine's own speed-up limit on ``comm.size`` ranks.
+
+    A fixed amount of single-thread work (calibrated on rank 0 to last
+    ``seconds``) runs on rank 0 alone while the others wait, then split evenly
+    over all ranks, each timed from a common start to the slowest rank's end
+    (medians of five, alternated). ``speedup`` = serial time / split time.
+    """
+    size = comm.size
+
+    def calibrate() -> int:
+        start = time.perf_counter()
+        _spin(64)
+        per_iteration = (time.perf_counter() - start) / 64
+        return size * max(1, math.ceil(seconds / per_iteration / size))
+
+    iterations = comm.bcast(_on_root(comm, calibrate))
+
+    def serial_run() -> float:
+        start = time.perf_counter()
+        _spin(iterations)
+        return time.perf_counter() - start
+
+    def split_run() -> float:
+        comm.allgather(None)
+        start = time.perf_counter()
+        _spin(iterations // size)
+        return max(comm.allgather(time.perf_counter() - start))
+
+    # alternated, so slow drifts of a shared machine hit both alike
+    serial, split = [], []
+    for _ in range(_CEILING_REPEATS):
+        serial.append(comm.bcast(_on_root(comm, serial_run)))
+        split.append(split_run())
+    serial_s, split_s = float(np.median(serial)), float(np.median(split))
+    return {
+        "iterations": iterations,
+        "serial_s": serial_s,
+        "split_s": split_s,
+        "speedup": serial_s / split_s,
+    }
+
+
+# ----------------------------------------------------------------------- one run
+
+
+def run_benchmark(
+    atoms: Atoms,
+    model: torch.nn.Module,
+    settings: BenchSettings,
+    *,
+    dtype: torch.dtype | None = None,
+    ase_calculator: Callable[[], Calculator] | None = None,
+    labels: dict | None = None,
+) -> dict | None:
+    """Measure the bare model, ``ShardedCalculator`` and the ceiling in one run.
+
+    Every rank of ``MPI.COMM_WORLD`` (or the one process) calls this with the
+    same ``atoms`` and an identically built ``model``.
+
+    Parameters
+    ----------
+    atoms : ase.Atoms
+        The system; not modified (each subject works on a copy).
+    model : torch.nn.Module
+        A ``ShardModel``; ``ShardedCalculator`` casts it to its device and dtype.
+    settings : BenchSettings
+    dtype : torch.dtype, optional
+        Precision of the model; default its own.
+    ase_calculator : callable, optional
+        Builds the model's own ASE calculator, timed on rank 0 over the reuse
+        steps' positions.
+    labels : dict, optional
+        Stored as is under ``"labels"`` (system and model names, command line).
+
+    Returns
+    -------
+    dict or None
+        The report (JSON-encodable) on rank 0, ``None`` on the other ranks.
+    """
+    comm = Comm()
+    moves = Displacements(atoms, settings.amplitude, settings.seed)
+    options = dict(settings.calculator or {})
+
+    calc = ShardedCalculator(model, skin=settings.skin, dtype=dtype, **options)
+    device, dtype = calc.device, calc.dtype
+    memory = PeakMemory(device)
+    memory.start()
+    sharded = _measure(_ShardedSubject(calc, atoms.copy()), moves, settings, comm)
+    sharded["memory"] = comm.gather(memory.stop())
+    sharded["threads"] = comm.gather(torch.get_num_threads())
+    sharded["layout"] = _layout(calc)
+    del calc
+
+    results: dict[str, Any] = {"sharded": sharded}
+    if comm.size > 1 and settings.serial_reference:
+        alone = _one_rank_comm(comm)
+
+        def sharded_alone() -> dict:
+            calc = ShardedCalculator(model, skin=settings.skin, dtype=dtype, comm=alone, **options)
+            memory.start()
+            out = _measure(_ShardedSubject(calc, atoms.copy()), moves, settings, None)
+            out["memory"] = [memory.stop()]
+            out["layout"] = _layout(calc)
+            return out
+
+        results["sharded_1"] = _on_root(comm, sharded_alone)
+        alone.Free()
+
+    def bare_model() -> dict:
+        memory.start()
+        bare = BareModel(model, settings.skin, dtype, device)
+        out = _measure(_BareSubject(bare, atoms.copy()), moves, settings, None)
+        out["memory"] = [memory.stop()]
+        return out
+
+    results["bare"] = _on_root(comm, bare_model)
+    if ase_calculator is not None:
+
+        def ase_own() -> dict:
+            subject = _AseSubject(ase_calculator(), atoms.copy())
+            return _measure(subject, moves, settings, None, kinds=("reuse",))
+
+        results["ase"] = _on_root(comm, ase_own)
+    ceiling = measure_ceiling(comm, settings.ceiling_seconds)
+    if not comm.is_root:
+        return None
+
+    # the last step's forces of each kind, for the agreement (not in the report)
+    forces = {
+        name: {kind: result[kind].pop("forces") for kind in ("reuse", "rebuild") if kind in result}
+        for name, result in results.items()
+    }
+
+    settings_json = asdict(settings)
+    settings_json["calculator"] = {k: str(v) for k, v in options.items()}
+    report = {
+        "schema": "ase-shard-bench/1",
+        "labels": dict(labels or {}),
+        "environment": {
+            "host": socket.gethostname(),
+            "cpus": _cpus(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "ase_shard": ase_shard.__version__,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        },
+        "ranks": comm.size,
+        "threads_per_rank": sharded["threads"],
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "system": {
+            "n_atoms": len(atoms),
+            "formula": atoms.get_chemical_formula(),
+            "pbc": [bool(p) for p in atoms.pbc],
+            "cell": atoms.cell.array.tolist(),
+        },
+        "model": {
+            "class": type(model).__name__,
+            "cutoff": float(model.cutoff),
+            "num_layers": int(model.num_layers),
+            "parameters": int(sum(p.numel() for p in model.parameters())),
+        },
+        "settings": settings_json,
+        "agreement": _agreement(results, forces),
+        "results": results,
+        "ceiling": ceiling,
+    }
+    report["ratios"] = _ratios(report)
+    return report
+
+
+def _cpus() -> int:
+    """CPUs this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _agreement(results: dict, forces: dict) -> dict:
+    """Largest relative differences from the bare model over the steps all subjects ran.
+
+    Energies: max |E - E_bare| / max |E_bare| over the steps; forces: max
+    |F - F_bare| / max |F_bare| at the last step of each kind.
+    """
+    bare = results["bare"]
+    out = {}
+    for name, result in results.items():
+        if name == "bare":
+            continue
+        energy, force = 0.0, 0.0
+        for kind in ("reuse", "rebuild"):
+            if kind not in result:
+                continue
+            e, e_bare = np.array(result[kind]["energies"]), np.array(bare[kind]["energies"])
+            energy = max(energy, float(np.abs(e - e_bare).max() / np.abs(e_bare).max()))
+            f, f_bare = forces[name][kind], forces["bare"][kind]
+            force = max(force, float(np.abs(f - f_bare).max() / np.abs(f_bare).max()))
+        out[name] = {"energy": energy, "forces": force}
+    return out
+
+
+def _ratios(report: dict) -> dict:
+    """Step-time ratios of one run (per kind), the ceiling and the memory ratio.
+
+    ``speedup`` is the one-rank ``ShardedCalculator`` step over the ``P``-rank
+    one, ``efficiency`` that over ``P``; ``speedup_vs_bare`` uses the bare
+    model's step instead; ``sharded_1_over_bare`` is the one-rank overhead.
+    """
+    results, size = report["results"], report["ranks"]
+    one = results["sharded"] if size == 1 else results.get("sharded_1")
+    out: dict[str, Any] = {"ceiling": report["ceiling"]["speedup"]}
+    for kind in ("reuse", "rebuild"):
+        step = results["sharded"][kind]["step_s"]
+        bare = results["bare"][kind]["step_s"]
+        entry = {"speedup_vs_bare": bare / step, "efficiency_vs_bare": bare / step / size}
+        if one is not None:
+            speedup = one[kind]["step_s"] / step
+            entry.update(
+                sharded_1_over_bare=one[kind]["step_s"] / bare,
+                speedup=speedup,
+                efficiency=speedup / size,
+            )
+        out[kind] = entry
+    if "ase" in results:
+        out["ase_over_sharded"] = (
+            results["ase"]["reuse"]["step_s"] / results["sharded"]["reuse"]["step_s"]
+        )
+    if one is not None and size > 1:
+        peak = max(m["peak_rss_mb"] for m in results["sharded"]["memory"])
+        out["memory_ratio"] = peak / one["memory"][0]["peak_rss_mb"]
+    return out
+
+
+# ----------------------------------------------------------------------- output
+
+_SUBJECTS = {
+    "bare": "bare model (rank 0)",
+    "sharded_1": "sharded, 1 rank",
+    "sharded": "sharded, {P}",
+    "ase": "ASE's own calculator",
+}
+
+
+def _ranks(size: int) -> str:
+    return f"{size} rank" if size == 1 else f"{size} ranks"
+
+
+def _label(name: str, size: int) -> str:
+    return _SUBJECTS[name].format(P=_ranks(size))
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1e3 * seconds:.1f}"
+
+
+def breakdown_rows(report: dict) -> list[tuple[str, dict[str, float], float]]:
+    """``(label, seconds per phase, step seconds)`` for the breakdown table and plot.
+
+    One row per subject and kind; the ``P``-rank calculator gets rank 0 and,
+    if another, its rank with the most phase time.
+    """
+    results, size = report["results"], report["ranks"]
+    rows = []
+    for name in ("bare", "sharded_1", "sharded"):
+        if name not in results:
+            continue
+        for kind in ("reuse", "rebuild"):
+            result = results[name][kind]
+            per_rank = result["breakdown"]
+            totals = np.sum([per_rank[phase] for phase in PHASES], axis=0)
+            ranks = [0]
+            slowest = int(np.argmax(totals))
+            if slowest != 0:
+                ranks.append(slowest)
+            for rank in ranks:
+                suffix = f", rank {rank}" if name == "sharded" and size > 1 else ""
+                rows.append(
+                    (
+                        f"{_label(name, size)}{suffix}, {kind}",
+                        {phase: per_rank[phase][rank] for phase in PHASES},
+                        result["step_s"],
+                    )
+                )
+    return rows
+
+
+def format_summary(report: dict) -> str:
+    """A plain-text summary of a report: step times, ratios, agreement, breakdown."""
+    results, size, ratios = report["results"], report["ranks"], report["ratios"]
+    labels = report["labels"]
+    threads = report["threads_per_rank"]
+    lines = [
+        f"ase-shard bench: {labels.get('system', report['system']['formula'])}, "
+        f"{report['system']['n_atoms']} atoms, {labels.get('model', report['model']['class'])} "
+        f"({report['model']['class']}, {report['dtype']}), {_ranks(size)} x "
+        f"{max(threads)} thread(s), {report['device']}, skin {report['settings']['skin']:g} Å",
+        "",
+        f"  {'ms per step':<28}{'reuse':>10}{'rebuild':>10}{'first':>10}{'peak RSS MiB':>14}",
+    ]
+    for name in ("bare", "sharded_1", "sharded", "ase"):
+        if name not in results:
+            continue
+        result = results[name]
+        memory = result.get("memory")
+        peak = f"{max(m['peak_rss_mb'] for m in memory):.0f}" if memory else "-"
+        lines.append(
+            f"  {_label(name, size):<28}{_ms(result['reuse']['step_s']):>10}"
+            f"{_ms(result.get('rebuild', {}).get('step_s')):>10}"
+            f"{_ms(result['first_call_s']):>10}{peak:>14}"
+        )
+    lines += ["", f"  {'ratios':<36}{'reuse':>10}{'rebuild':>10}"]
+    rows = [
+        ("sharded_1_over_bare", "1-rank sharded / bare"),
+        ("speedup", f"speed-up, 1 -> {_ranks(size)}"),
+        ("efficiency", "parallel efficiency"),
+        ("speedup_vs_bare", f"speed-up, bare -> {_ranks(size)}"),
+    ]
+    for key, text in rows:
+        if key in ratios["reuse"]:
+            lines.append(
+                f"  {text:<36}{ratios['reuse'][key]:>10.3f}{ratios['rebuild'][key]:>10.3f}"
+            )
+    lines.append(f"  {f'machine ceiling on {_ranks(size)}':<36}{ratios['ceiling']:>10.3f}")
+    if "memory_ratio" in ratios:
+        lines.append(f"  {'peak RSS, max rank / 1 rank':<36}{ratios['memory_ratio']:>10.3f}")
+    if "ase_over_sharded" in ratios:
+        lines.append(f"  {'ASE calculator / sharded':<36}{ratios['ase_over_sharded']:>10.3f}")
+    lines += ["", "  agreement with the bare model (max relative difference)"]
+    lines += [
+        f"    {_label(name, size):<26} energy {a['energy']:.1e}, forces {a['forces']:.1e}"
+        for name, a in report["agreement"].items()
+    ]
+    layout = np.array(results["sharded"]["layout"])
+    padded = layout[:, 2] / np.maximum(layout[:, 1], 1)
+    lines += [
+        "",
+        f"  layout on {_ranks(size)}: owned {layout[:, 1].min()}-{layout[:, 1].max()}, "
+        f"nodes {layout[:, 2].min()}-{layout[:, 2].max()}, rows {layout[:, 0].min()}-"
+        f"{layout[:, 0].max()}, nodes/owned {padded.min():.2f}-{padded.max():.2f}",
+        "",
+        "  breakdown, ms per step: " + " ".join(PHASES),
+    ]
+    for label, phases, step in breakdown_rows(report):
+        values = " ".join(_ms(phases[phase]) for phase in PHASES)
+        lines.append(f"    {label}: {values} (step {_ms(step)})")
+    return "\n".join(lines)
+
+
+def plot_report(report: dict, path: str) -> None:
+    """Write a PNG: step times with speed-ups (left) and the phase breakdown (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results, size, ratios = report["results"], report["ranks"], report["ratios"]
+    rows = breakdown_rows(report)
+    fig, (left, right) = plt.subplots(
+        1, 2, figsize=(13, 1.8 + 0.35 * len(rows)), gridspec_kw={"width_ratios": [1, 1.6]}
+    )
+    names = [name for name in ("bare", "sharded_1", "sharded", "ase") if name in results]
+    x = np.arange(len(names))
+    for offset, kind in ((-0.2, "reuse"), (0.2, "rebuild")):
+        times = [results[n].get(kind, {}).get("step_s") or 0.0 for n in names]
+        left.bar(x + offset, [1e3 * t for t in times], width=0.4, label=f"{kind} step")
+    left.set_xticks(x, [_label(n, size).replace(", ", "\n") for n in names], fontsize=8)
+    left.set_ylabel("ms per step (median)")
+    title = f"{_ranks(size)}: ceiling {ratios['ceiling']:.2f}x"
+    if "speedup" in ratios["reuse"]:
+        title += f", speed-up {ratios['reuse']['speedup']:.2f}x (reuse)"
+    left.set_title(title, fontsize=10)
+    left.legend(fontsize=8)
+
+    y = np.arange(len(rows))[::-1]
+    start = np.zeros(len(rows))
+    colors = plt.get_cmap("tab10").colors
+    for k, phase in enumerate(PHASES):
+        widths = np.array([1e3 * phases[phase] for _, phases, _ in rows])
+        right.barh(y, widths, left=start, color=colors[k % 10], label=phase)
+        start += widths
+    other = np.maximum(np.array([1e3 * step for _, _, step in rows]) - start, 0.0)
+    right.barh(y, other, left=start, color="lightgrey", label="other")
+    right.set_yticks(y, [label for label, _, _ in rows], fontsize=8)
+    right.set_xlabel("ms per step")
+    right.set_title("breakdown (mean per step)", fontsize=10)
+    right.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.22))
+    fig.suptitle(
+        f"{report['labels'].get('system', report['system']['formula'])}: "
+        f"{report['system']['n_atoms']} atoms, {report['labels'].get('model', '')} "
+        f"({report['model']['class']}, {report['dtype']})",
+        fontsize=11,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)

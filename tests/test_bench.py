@@ -1,0 +1,189 @@
+"""``ase-shard bench`` and ``scripts/bench_scaling.py``: the reports are consistent.
+
+Small systems, one rank in-process and two under their own ``mpirun``. Nothing here
+asserts on how fast anything is: only that the fields fit together, that every subject
+computed the same energies and forces as the bare model, and that the bare model itself
+equals ASE's EMT.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from ase.build import bulk
+from ase.calculators.emt import EMT as AseEMT
+from oracles import ase_results, relative_errors
+
+from ase_shard.bench import BareModel
+from ase_shard.cli import main
+from ase_shard.comm import Comm
+from ase_shard.models import EMT
+from ase_shard.timing import PHASES
+
+pytestmark = [
+    pytest.mark.skipif(Comm().size > 1, reason="runs ase-shard bench serially and under mpirun"),
+    pytest.mark.timeout(240),
+]
+
+ROOT = Path(__file__).parents[1]
+RTOL = 1e-10
+MPIRUN = Path(sys.executable).parent / "mpirun"
+MPI_ENV = dict(
+    os.environ,
+    OMPI_ALLOW_RUN_AS_ROOT="1",
+    OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+    OMP_NUM_THREADS="1",
+    HF_HUB_OFFLINE="1",
+)
+# small and quick: the timings mean nothing, the structure of the report does
+QUICK = ["--reuse-steps", "2", "--rebuild-steps", "2", "--ceiling-seconds", "0.02"]
+
+
+def test_bare_model_equals_ase_emt() -> None:
+    """The bare model (one periodic graph, reused neighbour list) is exact."""
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(3)
+    atoms.rattle(0.05, seed=1)
+    bare = BareModel(EMT(), skin=0.5, dtype=torch.float64, device=torch.device("cpu"))
+    bare.build(atoms)
+    atoms.positions += np.random.default_rng(2).uniform(-0.05, 0.05, atoms.positions.shape)
+    out = bare.evaluate(atoms)  # on the list built before the move, within the skin
+    got = {
+        "energy": out["energy"],
+        "energies": out["energies"],
+        "forces": out["forces"],
+        "stress": out["virial"] / atoms.get_volume(),
+    }
+    errors = relative_errors(got, ase_results(AseEMT(), atoms))
+    assert max(errors.values()) < RTOL, errors
+    assert set(bare.timer.totals) == set(PHASES)
+    assert all(bare.timer.totals[phase] > 0 for phase in ("neighbors", "forward", "backward"))
+
+
+def check_report(report: dict, ranks: int, n_atoms: int, subjects: set[str]) -> None:
+    """Fields present and consistent with each other and with the settings."""
+    assert report["schema"] == "ase-shard-bench/1"
+    assert report["ranks"] == ranks and report["system"]["n_atoms"] == n_atoms
+    assert len(report["threads_per_rank"]) == ranks
+    results, settings = report["results"], report["settings"]
+    assert set(results) == subjects
+    steps = {"reuse": settings["reuse_steps"], "rebuild": settings["rebuild_steps"]}
+    for name, result in results.items():
+        kinds = ("reuse",) if name == "ase" else ("reuse", "rebuild")
+        for kind in kinds:
+            entry = result[kind]
+            assert len(entry["samples_s"]) == len(entry["energies"]) == steps[kind]
+            assert entry["step_s"] == pytest.approx(np.median(entry["samples_s"]))
+            if name != "ase":
+                # reuse steps keep the decomposition, rebuild steps rebuild every call
+                assert entry["rebuilds"] == (steps[kind] if kind == "rebuild" else 0), name
+                breakdown = entry["breakdown"]
+                assert list(breakdown) == list(PHASES)
+                n_ranks = ranks if name == "sharded" else 1
+                assert all(len(values) == n_ranks for values in breakdown.values())
+                assert all(min(values) >= 0 for values in breakdown.values())
+                assert min(breakdown["forward"]) > 0 and min(breakdown["backward"]) > 0
+        # every subject saw the same positions, step by step
+        if name != "bare":
+            assert report["agreement"][name]["energy"] < RTOL
+            assert report["agreement"][name]["forces"] < RTOL
+        for memory in result.get("memory", []):
+            assert memory["peak_rss_mb"] > 0
+    for name in ("sharded", "sharded_1"):
+        if name in results:
+            layout = np.array(results[name]["layout"])
+            n_ranks = ranks if name == "sharded" else 1
+            assert layout.shape == (n_ranks, 3)
+            rows, owned, nodes = layout.T
+            assert owned.sum() == n_atoms
+            assert (nodes >= owned).all() and (rows >= nodes).all()
+    ratios = report["ratios"]
+    for kind in ("reuse", "rebuild"):
+        step = results["sharded"][kind]["step_s"]
+        assert ratios[kind]["speedup_vs_bare"] == pytest.approx(
+            results["bare"][kind]["step_s"] / step
+        )
+        one = results["sharded"] if ranks == 1 else results["sharded_1"]
+        assert ratios[kind]["speedup"] == pytest.approx(one[kind]["step_s"] / step)
+        assert ratios[kind]["efficiency"] == pytest.approx(ratios[kind]["speedup"] / ranks)
+    ceiling = report["ceiling"]
+    assert ceiling["iterations"] % ranks == 0
+    assert ratios["ceiling"] == pytest.approx(ceiling["serial_s"] / ceiling["split_s"])
+    assert ("memory_ratio" in ratios) == (ranks > 1)
+
+
+def test_one_rank(tmp_path, capsys) -> None:
+    """In-process, with ASE's EMT as the extra reference; JSON, PNG and summary."""
+    json_path, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    args = ["bench", "--size", "3", "--ase-reference", "--json", str(json_path)]
+    assert main([*args, "--plot", str(png), *QUICK]) == 0
+    report = json.loads(json_path.read_text())
+    check_report(report, 1, 108, {"bare", "sharded", "ase"})
+    assert report["labels"]["model"] == "emt" and report["model"]["class"] == "EMT"
+    assert "ase_over_sharded" in report["ratios"]
+    assert png.stat().st_size > 10_000
+    out = capsys.readouterr().out
+    assert "speed-up, 1 -> 1 rank" in out and "machine ceiling on 1 rank" in out
+
+
+def test_rejects_bad_arguments(capsys) -> None:
+    assert main(["bench", "--size", "2", "--reuse-steps", "0"]) == 2
+    assert main(["bench", "--size", "2", "--model", "sevennet", "--ase-reference"]) == 2
+    assert "--ase-reference" in capsys.readouterr().err
+
+
+def test_sevennet(tmp_path) -> None:
+    """A random-weight SevenNet: the sharded calculator equals the bare model."""
+    pytest.importorskip("sevenn")
+    json_path = tmp_path / "bench.json"
+    args = ["bench", "--size", "2", "--model", "sevennet", "--ml-channels", "4"]
+    args += ["--ml-layers", "2", "--ml-cutoff", "4.0", "--json", str(json_path), "--no-plot"]
+    assert main([*args, *QUICK]) == 0
+    report = json.loads(json_path.read_text())
+    check_report(report, 1, 32, {"bare", "sharded"})
+    assert report["model"]["num_layers"] == 2 and report["dtype"] == "float64"
+
+
+def run_mpi(command: list[str], ranks: int, timeout: int = 180) -> subprocess.CompletedProcess:
+    if not MPIRUN.exists():
+        pytest.skip(f"no {MPIRUN}")
+    full = [str(MPIRUN), "--oversubscribe", "-n", str(ranks), *command]
+    done = subprocess.run(full, env=MPI_ENV, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return done
+
+
+def test_two_ranks(tmp_path) -> None:
+    """SPMD under mpirun -n 2: one report, with the one-rank reference of the same run."""
+    json_path = tmp_path / "bench.json"
+    command = [sys.executable, "-m", "ase_shard.cli", "bench", "--size", "3"]
+    command += ["--json", str(json_path), "--plot", str(tmp_path / "bench.png"), *QUICK]
+    done = run_mpi(command, 2)
+    assert done.stdout.count("ase-shard bench: cu-bulk") == 2  # start line and summary, rank 0
+    report = json.loads(json_path.read_text())
+    check_report(report, 2, 108, {"bare", "sharded", "sharded_1"})
+
+
+def test_scaling_helper(tmp_path) -> None:
+    """scripts/bench_scaling.py: runs 1 and 2 ranks, draws the curves, prints the table."""
+    if not MPIRUN.exists():
+        pytest.skip(f"no {MPIRUN}")
+    img = tmp_path / "scaling.png"
+    command = [sys.executable, str(ROOT / "scripts" / "bench_scaling.py"), "--sizes", "2"]
+    command += ["--ranks", "1", "2", "--out-dir", str(tmp_path), "--img", str(img), "--"]
+    command += ["--no-plot", *QUICK]
+    done = subprocess.run(command, env=MPI_ENV, capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    table = [line for line in done.stdout.splitlines() if line.startswith("| 32 |")]
+    assert [line.split("|")[2].strip() for line in table] == ["1", "2"]
+    assert img.stat().st_size > 10_000
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == [
+        "emt-cu-bulk-2-p1.json",
+        "emt-cu-bulk-2-p2.json",
+    ]
