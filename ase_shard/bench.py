@@ -600,6 +600,7 @@ def run_benchmark(
         The report (JSON-encodable) on rank 0, ``None`` on the other ranks.
     """
     comm = Comm()
+    load_start = _load_average()
     moves = Displacements(atoms, settings.amplitude, settings.seed)
     options = dict(settings.calculator or {})
 
@@ -665,6 +666,8 @@ def run_benchmark(
             "torch": torch.__version__,
             "ase_shard": ase_shard.__version__,
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            # 1-minute load averages: other jobs on a shared machine distort the timings
+            "load_average": [load_start, _load_average()],
         },
         "ranks": comm.size,
         "threads_per_rank": sharded["threads"],
@@ -689,6 +692,14 @@ def run_benchmark(
     }
     report["ratios"] = _ratios(report)
     return report
+
+
+def _load_average() -> float | None:
+    """The 1-minute load average (``None`` where the OS has none)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
 
 
 def _cpus() -> int:
@@ -811,11 +822,14 @@ def format_summary(report: dict) -> str:
     results, size, ratios = report["results"], report["ranks"], report["ratios"]
     labels = report["labels"]
     threads = report["threads_per_rank"]
+    load = report["environment"]["load_average"]
     lines = [
         f"ase-shard bench: {labels.get('system', report['system']['formula'])}, "
         f"{report['system']['n_atoms']} atoms, {labels.get('model', report['model']['class'])} "
         f"({report['model']['class']}, {report['dtype']}), {_ranks(size)} x "
         f"{max(threads)} thread(s), {report['device']}, skin {report['settings']['skin']:g} Å",
+        f"  {report['environment']['cpus']} CPUs, 1-minute load average {load[0]} at the start, "
+        f"{load[1]} at the end",
         "",
         f"  {'ms per step':<28}{'reuse':>10}{'rebuild':>10}{'first':>10}{'peak RSS MiB':>14}",
     ]

@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, default=Path("bench-results"))
     parser.add_argument("--img", type=Path, help="default docs/img/scaling-MODEL.png")
     parser.add_argument("--plot-only", action="store_true", help="redraw from existing JSONs")
+    parser.add_argument(
+        "--max-load",
+        type=float,
+        help="before each run, wait (up to 10 min) until the 1-minute load average is below this",
+    )
     parser.add_argument("bench_args", nargs="*", help="after --: passed to ase-shard bench")
     return parser.parse_args(argv)
 
@@ -56,8 +62,17 @@ def stem(args: argparse.Namespace, size: int, ranks: int) -> Path:
     return args.out_dir / f"{args.model}-{args.system}-{size}-p{ranks}"
 
 
+def wait_for_quiet(max_load: float, patience: float = 600.0) -> None:
+    """Wait until the 1-minute load average drops below ``max_load`` (or give up)."""
+    deadline = time.monotonic() + patience
+    while os.getloadavg()[0] >= max_load and time.monotonic() < deadline:
+        time.sleep(10)
+
+
 def run_one(args: argparse.Namespace, size: int, ranks: int) -> None:
     """One ``ase-shard bench`` under ``mpirun -n ranks``; raises if it fails."""
+    if args.max_load is not None:
+        wait_for_quiet(args.max_load)
     out = stem(args, size, ranks)
     command = ["timeout", "-k", "10", str(args.timeout), str(BIN / "mpirun"), "--oversubscribe"]
     command += ["-n", str(ranks), str(BIN / "ase-shard"), "bench", "--model", args.model]
