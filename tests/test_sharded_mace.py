@@ -35,15 +35,16 @@ def model_and_file(tmp_path_factory):
     return model, save_model(model, tmp_path_factory.mktemp("mace") / "mace.model")
 
 
+@pytest.mark.parametrize("halo", ["layer", "full"])
 @pytest.mark.parametrize(
     "system, partition",
     [("bulk", "spatial"), ("bulk", "contiguous"), ("slab", "spatial"), ("cluster", "spatial")],
 )
-def test_matches_mace_calculator(system: str, partition: str, model_and_file) -> None:
+def test_matches_mace_calculator(system: str, partition: str, halo: str, model_and_file) -> None:
     model, path = model_and_file
     atoms = SYSTEMS[system]()
     reference = mace_reference(path, atoms)
-    atoms.calc = ShardedCalculator(MACE(model), partition=partition)
+    atoms.calc = ShardedCalculator(MACE(model), partition=partition, halo=halo)
     got = results(atoms)
     assert_matches(got, reference)
     assert_identical_on_all_ranks(got)
@@ -61,12 +62,13 @@ def test_direction_sensitive_blocks(tmp_path) -> None:
     assert_identical_on_all_ranks(got)
 
 
-def test_few_atoms_and_an_isolated_one(model_and_file) -> None:
+@pytest.mark.parametrize("halo", ["layer", "full"])
+def test_few_atoms_and_an_isolated_one(model_and_file, halo: str) -> None:
     """Ranks that own nothing, and an atom with no neighbours (E0 plus shift)."""
     model, path = model_and_file
     atoms = Atoms("CuAlAg", positions=[[0.0, 0.0, 0.0], [2.4, 0.3, 0.1], [9.0, 9.0, 9.0]])
     reference = mace_reference(path, atoms)
-    atoms.calc = ShardedCalculator(MACE(model))
+    atoms.calc = ShardedCalculator(MACE(model), halo=halo)
     got = results(atoms)
     assert_matches(got, reference)
     assert_identical_on_all_ranks(got)

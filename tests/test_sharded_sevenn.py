@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("sevenn")
@@ -42,11 +43,13 @@ def tiny_references(tiny):
     }
 
 
+@pytest.mark.parametrize("halo", ["layer", "full"])
 @pytest.mark.parametrize("partition", PARTITIONS)
 @pytest.mark.parametrize("name", ["bulk", "slab", "cluster"])
-def test_tiny_float64(tiny, tiny_references, name: str, partition: str) -> None:
+def test_tiny_float64(tiny, tiny_references, name: str, partition: str, halo: str) -> None:
     atoms = tiny_systems()[name]
-    got = ase_results(ShardedCalculator(SevenNet(tiny), partition=partition), atoms)
+    calc = ShardedCalculator(SevenNet(tiny), partition=partition, halo=halo)
+    got = ase_results(calc, atoms)
     ref = {key: value for key, value in tiny_references[name].items() if key in got}
     assert set(ref) == set(got)
     errors = relative_errors(got, ref)
@@ -66,3 +69,15 @@ def test_7net0_periodic(sevennet0) -> None:
     errors = relative_errors(got, ref)
     assert all(errors[key] <= F32_RTOL[key] for key in errors), errors
     assert_identical_on_all_ranks(got)
+
+
+def test_7net0_layer_halo_equals_full_halo(sevennet0) -> None:
+    """7net-0 in float64: the one-cutoff halo with exchanges equals the 25 Å halo."""
+    atoms = dilute_periodic(n_atoms=16, box=16.0, seed=1)
+    got = {
+        halo: ase_results(ShardedCalculator(sevennet0, halo=halo, dtype=torch.float64), atoms)
+        for halo in ("layer", "full")
+    }
+    errors = relative_errors(got["layer"], got["full"])
+    assert all(err <= RTOL64 for err in errors.values()), errors
+    assert_identical_on_all_ranks(got["layer"])

@@ -95,7 +95,11 @@ class MACE(torch.nn.Module):
     a float32 model, as ``MACECalculator(default_dtype="float64")`` does.
     Models with extra per-system inputs (``joint_embedding``: charge, spin,
     ...) and non-energy variants (dipoles, MACELES, PolarMACE) are not supported.
+    With a per-layer halo, each interaction updates the owned atoms only and
+    the ghosts' features come from their owners (``graph.exchange``).
     """
+
+    supports_layer_halo = True
 
     def __init__(
         self,
@@ -152,14 +156,17 @@ class MACE(torch.nn.Module):
         """Per-atom energies in eV (E0 plus interaction energy), shape ``(n_atoms,)``.
 
         Only the owned rows are computed; ghost rows are returned as zeros (the
-        calculator discards them). Layer ``k`` of ``L`` runs only on the rows
-        within ``L - k`` hops of an owned row, as the owned energies need
-        nothing else: a halo of ``L`` cutoffs is mostly skipped in the last layers.
+        calculator discards them). With a full halo, layer ``k`` of ``L`` runs
+        only on the rows within ``L - k`` hops of an owned row, as the owned
+        energies need nothing else: a halo of ``L`` cutoffs is mostly skipped
+        in the last layers. With a per-layer halo every layer updates the owned
+        rows and the exchange fills in the ghosts.
         """
         model = self.model
         vectors_in = graph.edge_vectors
         n, n_owned = graph.n_atoms, int(graph.n_owned)
-        if n_owned == 0:
+        exchange = graph.exchange
+        if n_owned == 0 and exchange is None:
             return vectors_in.new_zeros(n, dtype=self._energy_dtype(vectors_in))
         device = vectors_in.device
         n_layers = len(model.interactions)
@@ -168,12 +175,15 @@ class MACE(torch.nn.Module):
         # hop distance of every row from the owned rows (n_layers + 1: unreached)
         level = torch.full((n,), n_layers + 1, dtype=torch.int64, device=device)
         level[:n_owned] = 0
-        reached = level == 0
-        for hop in range(1, n_layers + 1):
-            frontier = torch.zeros_like(reached)
-            frontier[neighbour[reached[centre]]] = True
-            level[frontier & ~reached] = hop
-            reached |= frontier
+        if exchange is not None:
+            level[n_owned:] = 1  # ghosts: every layer reads them, the exchange writes them
+        else:
+            reached = level == 0
+            for hop in range(1, n_layers + 1):
+                frontier = torch.zeros_like(reached)
+                frontier[neighbour[reached[centre]]] = True
+                level[frontier & ~reached] = hop
+                reached |= frontier
         # rows ordered by level (owned rows keep their places), so the rows a
         # layer needs are a prefix; edges ordered by the level of their centre
         order = torch.argsort(level, stable=True)
@@ -220,6 +230,8 @@ class MACE(torch.nn.Module):
         ):
             # layer i + 1 updates the rows within n_layers - i - 1 hops
             n_in, n_out = rows[n_layers - i], rows[n_layers - i - 1]
+            if exchange is not None:
+                n_out = n_owned  # the exchange below provides the ghosts
             n_edges = edges[n_layers - i - 1]
             optional = {
                 "cutoff": None if cutoff is None else cutoff[:n_edges],
@@ -240,6 +252,8 @@ class MACE(torch.nn.Module):
                 node_attrs=node_attrs[:n_out],
             )
             node_feats_list.append(node_feats[:n_owned])
+            if exchange is not None and i < n_layers - 1:
+                node_feats = exchange(node_feats[:n_owned])
 
         readout_energies = []
         for i, readout in enumerate(model.readouts):

@@ -93,7 +93,12 @@ class SevenNet(torch.nn.Module):
     model : AtomGraphSequential
         The wrapped network. Its dtype is whatever it was built with (SevenNet
         checkpoints are float32); ``ShardedCalculator(..., dtype=...)`` casts it.
+
+    With a per-layer halo the node features entering every convolution after
+    the first are taken from the atoms' owners (``graph.exchange``).
     """
+
+    supports_layer_halo = True
 
     def __init__(self, model: Any = "7net-0", *, modal: str | None = None):
         super().__init__()
@@ -192,6 +197,9 @@ class SevenNet(torch.nn.Module):
         for name in self._modules_to_run:
             module = modules[name]
             if "Convolution" in type(module).__name__:
+                if layer and graph.exchange is not None:
+                    features = data[KEY.NODE_FEATURE]
+                    data[KEY.NODE_FEATURE] = graph.exchange(features[: graph.n_owned])
                 if not full_edges:
                     full_edges = {key: data[key] for key in edge_keys}
                 subset = masks[layer].index_select(0, kept).nonzero().squeeze(1)
