@@ -367,6 +367,46 @@ def test_rank_rows_halo(
         assert not missing, f"rank {rank} lacks images {sorted(missing)[:5]}"
 
 
+@pytest.mark.parametrize("fold_foreign", [False, True])
+@pytest.mark.parametrize("seed, pbc, partition, n_ranks, n_atoms", _halo_params()[::5])
+def test_rank_rows_nodes_and_exchange_plan(
+    seed: int, pbc, partition: str, n_ranks: int, n_atoms: int, fold_foreign: bool
+) -> None:
+    """Nodes: owned, then ghosts by owner; images fold onto a node of the same atom."""
+    pbc = np.array(pbc)
+    positions, cell = _halo_case(seed, pbc, n_atoms)
+    coords = frame_coordinates(positions, cell, pbc)
+    if partition == "spatial":
+        owners = spatial_owners(coords, choose_grid(coords, pbc, n_ranks, 4.5))
+    else:
+        owners = contiguous_owners(n_atoms, n_ranks)
+    rows = rank_rows(coords, pbc, owners, n_ranks, 4.5, fold_foreign)
+    for rank, r in enumerate(rows):
+        ghost_ids = r.ids[r.n_owned : r.n_nodes]
+        np.testing.assert_array_equal(r.node[: r.n_nodes], np.arange(r.n_nodes))
+        # every row is an image of its node's atom; no node is an owned atom's image
+        np.testing.assert_array_equal(r.ids[r.node], r.ids)
+        assert np.all(owners[ghost_ids] != rank)
+        assert np.all(np.diff(owners[ghost_ids]) >= 0)
+        if fold_foreign:
+            assert len(np.unique(ghost_ids)) == len(ghost_ids)
+        else:
+            assert np.all(owners[r.ids[r.n_nodes :]] == rank)
+        np.testing.assert_array_equal(
+            r.recv_counts, np.bincount(owners[ghost_ids], minlength=n_ranks)
+        )
+    # what each rank sends is exactly the ghost nodes the receivers expect, in order
+    for receiver, r in enumerate(rows):
+        expected = r.ids[r.n_owned : r.n_nodes]
+        received = []
+        for sender, s in enumerate(rows):
+            offset = s.send_counts[:receiver].sum()
+            index = s.send_index[offset : offset + s.send_counts[receiver]]
+            received.append(s.ids[index])
+            assert s.send_counts[receiver] == r.recv_counts[sender]
+        np.testing.assert_array_equal(np.concatenate(received), expected)
+
+
 def test_rank_rows_empty_system() -> None:
     """No atoms: every rank gets no rows."""
     pbc = np.ones(3, bool)
