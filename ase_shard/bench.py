@@ -16,13 +16,15 @@ was started with (``P``):
   tanh/matmul loop on rank 0 alone and the same loop split over the ``P``
   ranks.
 
-Every configuration evaluates the same sequence of positions: small random
+Every subject evaluates the same sequence of positions: small random
 displacements of the input structure, so that ``reuse`` steps keep the
 decomposition (and neighbour list) and ``rebuild`` steps rebuild it on every
-call. A timed step starts on all ranks together (a barrier) and ends when the
-slowest rank is done, so rank-0-only and all-rank work are timed the same way.
-Each phase also records its peak memory and, for ``ShardedCalculator``, the
-per-rank breakdown of :data:`ase_shard.timing.PHASES` and the layout sizes.
+call. The subjects take turns step by step, so a shared machine's changing load
+hits them alike. A timed step starts on all ranks together (a barrier) and ends
+when the slowest rank is done, so rank-0-only and all-rank work are timed the
+same way. Each subject's first call (a build) runs alone and records the peak
+memory per rank; ``ShardedCalculator`` also reports the per-rank breakdown of
+:data:`ase_shard.timing.PHASES` and its layout sizes.
 """
 
 from __future__ import annotations
@@ -440,63 +442,113 @@ def _on_root(comm: Comm, compute: Callable[[], Any]) -> Any:
     return value
 
 
-def _measure(
-    subject: Any,
-    moves: Displacements,
-    settings: BenchSettings,
-    comm: Comm | None,
-    kinds: Sequence[str] = ("reuse", "rebuild"),
-) -> dict:
-    """Time ``subject`` over the step sequence.
+@dataclass
+class _Entry:
+    """One subject of the run: ``subject`` is ``None`` on ranks that do not run it."""
 
-    ``comm`` is the communicator of a subject that all its ranks evaluate
-    together (each timed step then starts at a barrier and lasts until the
-    slowest rank is done), ``None`` for one that runs on this rank alone.
-    Returns the first call's time and, per kind, the step times, energies,
-    the phase breakdown per step (a list per rank), the rebuild count and the
-    last step's forces (``"forces"``, an array).
+    name: str
+    subject: Any
+    everyone: bool  # all ranks evaluate it together; else rank 0 alone
+    kinds: tuple[str, ...] = ("reuse", "rebuild")
+
+
+def _step(comm: Comm, entry: _Entry, positions: np.ndarray, rebuild: bool) -> tuple | None:
+    """One timed evaluation at ``positions``: ``(seconds, energy, forces)`` on rank 0.
+
+    A step of a subject that all ranks evaluate starts at a barrier and lasts
+    until the slowest rank is done; a rank-0 subject runs while the others wait.
     """
-    atoms = subject.atoms
 
-    def timed(step: int, rebuild: bool) -> tuple[float, float, np.ndarray]:
-        atoms.positions = moves(step)
-        if comm is not None:
+    def run() -> tuple[float, float, np.ndarray]:
+        entry.subject.atoms.positions = positions
+        if entry.everyone:
             comm.allgather(None)  # all ranks start together
         start = time.perf_counter()
-        energy, forces = subject.evaluate(rebuild)
+        energy, forces = entry.subject.evaluate(rebuild)
         elapsed = time.perf_counter() - start
-        if comm is not None:
+        if entry.everyone:
             elapsed = max(comm.allgather(elapsed))
         return elapsed, energy, forces
 
-    first = timed(0, rebuild=True)[0]
-    out: dict[str, Any] = {"first_call_s": first}
-    counts = {"reuse": settings.reuse_steps, "rebuild": settings.rebuild_steps}
-    step = 1
-    for kind in kinds:
-        if subject.timer is not None:
-            subject.timer.reset()
-        builds = subject.rebuilds()
-        samples, energies = [], []
-        for _ in range(counts[kind]):
-            elapsed, energy, forces = timed(step, rebuild=kind == "rebuild")
-            samples.append(elapsed)
-            energies.append(float(energy))
-            step += 1
-        n = max(counts[kind], 1)
-        result = {
-            "step_s": float(np.median(samples)) if samples else None,
-            "samples_s": samples,
-            "energies": energies,
-            "rebuilds": subject.rebuilds() - builds,
-            "forces": forces,
-        }
-        if subject.timer is not None:
-            mine = {phase: subject.timer.totals[phase] / n for phase in PHASES}
-            ranks = [mine] if comm is None else comm.allgather(mine)
-            result["breakdown"] = {phase: [r[phase] for r in ranks] for phase in PHASES}
-        out[kind] = result
+    if entry.everyone:
+        out = run()
+        return out if comm.is_root else None
+    return _on_root(comm, run)
+
+
+def _first_calls(comm: Comm, entries: list[_Entry], moves: Displacements, device) -> dict:
+    """Each subject's first call (a build), alone, with its peak memory per rank.
+
+    Subjects already built stay resident, so ``peak_rss_delta_mb`` (the peak
+    above the resident memory at the call's start) is the call's own need.
+    """
+    memory = PeakMemory(device)
+    out = {}
+    for entry in entries:
+        if entry.subject is not None:
+            memory.start()
+        first = _step(comm, entry, moves(0), rebuild=True)
+        if entry.everyone:
+            used = comm.gather(memory.stop())
+        else:
+            used = [memory.stop()] if comm.is_root else None
+        if comm.is_root:
+            out[entry.name] = {"first_call_s": first[0], "memory": used}
     return out
+
+
+def _timed_steps(
+    comm: Comm, entries: list[_Entry], moves: Displacements, settings: BenchSettings
+) -> dict:
+    """The reuse steps, then the rebuild steps, of all subjects interleaved step by step.
+
+    Interleaving puts every subject under the same load of a shared machine.
+    Returns on rank 0, per subject and kind: median step time, samples,
+    energies, rebuild count, the phase breakdown per step (a list per rank)
+    and the last step's forces (``"forces"``, an array).
+    """
+    counts = {"reuse": settings.reuse_steps, "rebuild": settings.rebuild_steps}
+    results: dict[str, dict] = {entry.name: {} for entry in entries}
+    step = 0
+    for kind in ("reuse", "rebuild"):
+        active = [entry for entry in entries if kind in entry.kinds]
+        records = {entry.name: ([], [], None) for entry in active}
+        builds = {}
+        for entry in active:
+            if entry.subject is not None:
+                if entry.subject.timer is not None:
+                    entry.subject.timer.reset()
+                builds[entry.name] = entry.subject.rebuilds()
+        for _ in range(counts[kind]):
+            step += 1
+            positions = moves(step)
+            for entry in active:
+                out = _step(comm, entry, positions, rebuild=kind == "rebuild")
+                if out is not None:
+                    samples, energies, _ = records[entry.name]
+                    samples.append(out[0])
+                    energies.append(float(out[1]))
+                    records[entry.name] = (samples, energies, out[2])
+        for entry in active:
+            timer = entry.subject.timer if entry.subject is not None else None
+            mine = None
+            if timer is not None:
+                mine = {phase: timer.totals[phase] / counts[kind] for phase in PHASES}
+            ranks = comm.gather(mine) if entry.everyone else [mine]
+            if not comm.is_root:
+                continue
+            samples, energies, forces = records[entry.name]
+            result = {
+                "step_s": float(np.median(samples)),
+                "samples_s": samples,
+                "energies": energies,
+                "rebuilds": entry.subject.rebuilds() - builds[entry.name],
+                "forces": forces,
+            }
+            if ranks[0] is not None:
+                result["breakdown"] = {phase: [r[phase] for r in ranks] for phase in PHASES}
+            results[entry.name][kind] = result
+    return results
 
 
 def _layout(calc: ShardedCalculator) -> list[list[int]] | None:
@@ -606,54 +658,48 @@ def run_benchmark(
 
     calc = ShardedCalculator(model, skin=settings.skin, dtype=dtype, **options)
     device, dtype = calc.device, calc.dtype
-    memory = PeakMemory(device)
-    memory.start()
-    sharded = _measure(_ShardedSubject(calc, atoms.copy()), moves, settings, comm)
-    sharded["memory"] = comm.gather(memory.stop())
-    sharded["threads"] = comm.gather(torch.get_num_threads())
-    sharded["layout"] = _layout(calc)
-    del calc
-
-    results: dict[str, Any] = {"sharded": sharded}
+    threads = comm.gather(torch.get_num_threads())
+    entries = [_Entry("sharded", _ShardedSubject(calc, atoms.copy()), everyone=True)]
+    alone = None
     if comm.size > 1 and settings.serial_reference:
         alone = _one_rank_comm(comm)
 
-        def sharded_alone() -> dict:
-            calc = ShardedCalculator(model, skin=settings.skin, dtype=dtype, comm=alone, **options)
-            memory.start()
-            out = _measure(_ShardedSubject(calc, atoms.copy()), moves, settings, None)
-            out["memory"] = [memory.stop()]
-            out["layout"] = _layout(calc)
-            return out
+        def sharded_alone() -> _ShardedSubject:
+            one = ShardedCalculator(model, skin=settings.skin, dtype=dtype, comm=alone, **options)
+            return _ShardedSubject(one, atoms.copy())
 
-        results["sharded_1"] = _on_root(comm, sharded_alone)
-        alone.Free()
-
-    def bare_model() -> dict:
-        memory.start()
-        bare = BareModel(model, settings.skin, dtype, device)
-        out = _measure(_BareSubject(bare, atoms.copy()), moves, settings, None)
-        out["memory"] = [memory.stop()]
-        return out
-
-    results["bare"] = _on_root(comm, bare_model)
+        entries.append(_Entry("sharded_1", _on_root(comm, sharded_alone), everyone=False))
+    bare = _on_root(
+        comm, lambda: _BareSubject(BareModel(model, settings.skin, dtype, device), atoms.copy())
+    )
+    entries.append(_Entry("bare", bare, everyone=False))
     if ase_calculator is not None:
+        subject = _on_root(comm, lambda: _AseSubject(ase_calculator(), atoms.copy()))
+        entries.append(_Entry("ase", subject, everyone=False, kinds=("reuse",)))
 
-        def ase_own() -> dict:
-            subject = _AseSubject(ase_calculator(), atoms.copy())
-            return _measure(subject, moves, settings, None, kinds=("reuse",))
-
-        results["ase"] = _on_root(comm, ase_own)
+    first_calls = _first_calls(comm, entries, moves, device)
+    results = _timed_steps(comm, entries, moves, settings)
+    layouts = {
+        e.name: _layout(e.subject.calc)
+        for e in entries
+        if e.name.startswith("sharded") and e.subject is not None
+    }
+    del calc, entries, bare
+    if alone is not None:
+        alone.Free()
     ceiling = measure_ceiling(comm, settings.ceiling_seconds)
     if not comm.is_root:
         return None
 
+    for name, result in results.items():
+        result.update(first_calls[name])
+        if name in layouts:
+            result["layout"] = layouts[name]
     # the last step's forces of each kind, for the agreement (not in the report)
     forces = {
         name: {kind: result[kind].pop("forces") for kind in ("reuse", "rebuild") if kind in result}
         for name, result in results.items()
     }
-
     settings_json = asdict(settings)
     settings_json["calculator"] = {k: str(v) for k, v in options.items()}
     report = {
@@ -670,7 +716,7 @@ def run_benchmark(
             "load_average": [load_start, _load_average()],
         },
         "ranks": comm.size,
-        "threads_per_rank": sharded["threads"],
+        "threads_per_rank": threads,
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
         "system": {
@@ -759,8 +805,11 @@ def _ratios(report: dict) -> dict:
             results["ase"]["reuse"]["step_s"] / results["sharded"]["reuse"]["step_s"]
         )
     if one is not None and size > 1:
-        peak = max(m["peak_rss_mb"] for m in results["sharded"]["memory"])
-        out["memory_ratio"] = peak / one["memory"][0]["peak_rss_mb"]
+        # what a first call (build + evaluation) adds to the process, and the whole process
+        for key, field in (("memory_ratio", "peak_rss_delta_mb"), ("rss_ratio", "peak_rss_mb")):
+            peaks = [m[field] for m in results["sharded"]["memory"]]
+            if None not in peaks and one["memory"][0][field]:
+                out[key] = max(peaks) / one["memory"][0][field]
     return out
 
 
@@ -780,6 +829,10 @@ def _ranks(size: int) -> str:
 
 def _label(name: str, size: int) -> str:
     return _SUBJECTS[name].format(P=_ranks(size))
+
+
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
 
 
 def _ms(seconds: float | None) -> str:
@@ -828,21 +881,25 @@ def format_summary(report: dict) -> str:
         f"{report['system']['n_atoms']} atoms, {labels.get('model', report['model']['class'])} "
         f"({report['model']['class']}, {report['dtype']}), {_ranks(size)} x "
         f"{max(threads)} thread(s), {report['device']}, skin {report['settings']['skin']:g} Å",
-        f"  {report['environment']['cpus']} CPUs, 1-minute load average {load[0]} at the start, "
-        f"{load[1]} at the end",
+        f"  {report['environment']['cpus']} CPUs; 1-minute load average at start and end: "
+        + ", ".join("-" if x is None else f"{x:.1f}" for x in load),
         "",
-        f"  {'ms per step':<28}{'reuse':>10}{'rebuild':>10}{'first':>10}{'peak RSS MiB':>14}",
+        f"  {'ms per step':<28}{'reuse':>10}{'rebuild':>10}{'first':>10}"
+        f"{'first-call MiB':>16}{'peak RSS MiB':>14}",
     ]
     for name in ("bare", "sharded_1", "sharded", "ase"):
         if name not in results:
             continue
         result = results[name]
-        memory = result.get("memory")
-        peak = f"{max(m['peak_rss_mb'] for m in memory):.0f}" if memory else "-"
+        memory = {
+            field: max((m[field] for m in result["memory"] if m[field] is not None), default=None)
+            for field in ("peak_rss_delta_mb", "peak_rss_mb")
+        }
         lines.append(
             f"  {_label(name, size):<28}{_ms(result['reuse']['step_s']):>10}"
             f"{_ms(result.get('rebuild', {}).get('step_s')):>10}"
-            f"{_ms(result['first_call_s']):>10}{peak:>14}"
+            f"{_ms(result['first_call_s']):>10}{_mib(memory['peak_rss_delta_mb']):>16}"
+            f"{_mib(memory['peak_rss_mb']):>14}"
         )
     lines += ["", f"  {'ratios':<36}{'reuse':>10}{'rebuild':>10}"]
     rows = [
@@ -858,7 +915,10 @@ def format_summary(report: dict) -> str:
             )
     lines.append(f"  {f'machine ceiling on {_ranks(size)}':<36}{ratios['ceiling']:>10.3f}")
     if "memory_ratio" in ratios:
-        lines.append(f"  {'peak RSS, max rank / 1 rank':<36}{ratios['memory_ratio']:>10.3f}")
+        text = "first-call memory, max rank / 1 rank"
+        lines.append(f"  {text:<36}{ratios['memory_ratio']:>10.3f}")
+    if "rss_ratio" in ratios:
+        lines.append(f"  {'peak RSS, max rank / 1 rank':<36}{ratios['rss_ratio']:>10.3f}")
     if "ase_over_sharded" in ratios:
         lines.append(f"  {'ASE calculator / sharded':<36}{ratios['ase_over_sharded']:>10.3f}")
     lines += ["", "  agreement with the bare model (max relative difference)"]
