@@ -210,3 +210,44 @@ def _lor():
     from mpi4py import MPI
 
     return MPI.LOR
+
+
+def abort_job_on_uncaught_exception() -> bool:
+    """Make an uncaught exception on one rank end the whole MPI job.
+
+    Without this, a rank that dies of an exception waits in ``MPI_Finalize``
+    for ranks that wait for it in a collective, and the job hangs. The hook
+    prints which rank failed and the traceback, then has mpi4py call
+    ``MPI_Abort`` once the interpreter exits (what ``python -m mpi4py`` does):
+    ``atexit`` handlers still run first, so a worker-mode rank 0 still releases
+    its servers. Installed only under an MPI launcher with more than one rank
+    in ``MPI.COMM_WORLD``; calling it again changes nothing.
+
+    Returns
+    -------
+    bool
+        Whether the hook is installed.
+    """
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not launched_by_mpi():
+        return False
+    world = mpi.COMM_WORLD
+    if world.Get_size() < 2:
+        return False
+    previous = sys.excepthook
+    if getattr(previous, "aborts_mpi_job", False):
+        return True
+    from mpi4py.run import set_abort_status
+
+    def hook(kind, value, traceback) -> None:
+        status = value if isinstance(value, KeyboardInterrupt) else 1
+        set_abort_status(status)
+        sys.stderr.write(
+            f"ase_shard: uncaught {kind.__name__} on MPI rank {world.Get_rank()} of "
+            f"{world.Get_size()}; the job is aborted (MPI_Abort) at exit\n"
+        )
+        previous(kind, value, traceback)
+
+    hook.aborts_mpi_job = True
+    sys.excepthook = hook
+    return True
