@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ase_shard.calculator import ShardedCalculator
-from ase_shard.comm import CALCULATE
+from ase_shard.comm import CALCULATE, describe, rebuild
 
 _ROOT_VARIABLES = (
     "OMPI_ALLOW_RUN_AS_ROOT",
@@ -72,6 +72,12 @@ def spawn(model: torch.nn.Module, workers: int = 2, **kwargs: Any) -> ShardedCal
     -------
     ShardedCalculator whose ``close()`` (also ``with calc:`` and interpreter
     exit) stops the workers.
+
+    Raises
+    ------
+    RuntimeError
+        If the workers cannot unpickle the model (the cause names the error and
+        the worker rank); the workers have exited by then.
     """
     if workers < 1:
         raise ValueError(f"workers must be >= 1, not {workers}")
@@ -84,15 +90,26 @@ def spawn(model: torch.nn.Module, workers: int = 2, **kwargs: Any) -> ShardedCal
         maxprocs=workers,
     )
     comm = intercomm.Merge(high=False)
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    comm.bcast((buffer.getvalue(), kwargs), root=0)
-    calc = _spawned_calculator(model, comm, kwargs)
 
     def release() -> None:
         comm.Free()
         intercomm.Disconnect()
 
+    try:
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        comm.bcast((buffer.getvalue(), kwargs), root=0)
+        failed = [error for error in comm.allgather(None) if error is not None]
+        if failed:
+            raise RuntimeError(
+                "the spawned workers could not load the model; its class must be "
+                "importable by a fresh Python process (defined in a module, not in "
+                "the notebook or __main__)"
+            ) from rebuild(failed)
+        calc = _spawned_calculator(model, comm, kwargs)
+    except BaseException:
+        release()  # the workers leave too: they disconnect after a failed start
+        raise
     calc._on_close.append(release)
     return _drive_or_serve(calc)
 
@@ -139,13 +156,27 @@ def _prepare_spawn_environment() -> None:
 
 
 def worker_main() -> None:
-    """Entry point of a spawned worker: serve the parent until it closes."""
+    """Entry point of a spawned worker: serve the parent until it closes.
+
+    A model that does not load, or a calculator that cannot be built, ends the
+    worker quietly after it has told the parent (which raises) or after the
+    parent raised the same error itself; either way the worker disconnects and
+    exits, so no worker outlives a failed ``spawn``.
+    """
     from mpi4py import MPI
 
     parent = MPI.Comm.Get_parent()
     comm = parent.Merge(high=True)
     payload, kwargs = comm.bcast(None, root=0)
-    model = torch.load(io.BytesIO(payload), weights_only=False)
-    _drive_or_serve(_spawned_calculator(model, comm, kwargs))
+    model, error = None, None
+    try:
+        model = torch.load(io.BytesIO(payload), weights_only=False)
+    except Exception as exc:
+        error = describe(exc, comm.Get_rank())
+    if not any(comm.allgather(error)):
+        try:
+            _drive_or_serve(_spawned_calculator(model, comm, kwargs))
+        except Exception:
+            pass  # the same arguments made the parent raise this error
     comm.Free()
     parent.Disconnect()
