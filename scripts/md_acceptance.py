@@ -11,6 +11,10 @@ Cases (``--case``):
 - ``soak``: Langevin on a 2,048-atom hot Lennard-Jones (argon) fluid, 2,000 steps: atom
   count and ids conserved, owner changes counted, forces checked against ASE's
   LennardJones every 250 steps and against a fresh one-rank evaluation at the end.
+- ``nve-soak``: VelocityVerlet on an 864-atom hot Lennard-Jones (argon) fluid, 10,000
+  steps of 5 fs (``--soak-steps``): count and ids conserved, every rank bitwise equal
+  at every step, energy conserved, results against ASE's LennardJones every 500 steps
+  (``tests/soak.py``; run it on 3 ranks for docs/reliability.md).
 - ``npt``: NPTBerendsen and IsotropicMTKNPT, 864-atom Cu under tension, 200 steps:
   volume change, rebuilds, stress against ASE's EMT and a fresh one-rank
   evaluation every 20 steps.
@@ -56,11 +60,14 @@ from ase.optimize import BFGS, FIRE
 from ase.parallel import DummyMPI
 from oracles import rel_err
 from sharded import COMM, identical_on_all_ranks, on_root, serial_comm, thermalised_cu
+from soak import run_nve_soak
 
 from ase_shard import ShardedCalculator
 from ase_shard.models import EMT, LennardJones
 
 RTOL = 1e-10
+# NVE soak: max |Etot - Etot0| / N in eV/atom (about 0.3 % of kB T at 800 K)
+NVE_TOLERANCE = 2e-4
 ARGON = {"sigma": 3.4, "epsilon": 0.0104, "rc": 8.5, "smooth": True}
 
 
@@ -237,6 +244,58 @@ def case_soak(table: Table, skin: float) -> None:
     table.add("soak", "steps/s", f"{steps / elapsed:.2f}")
 
 
+def case_nve_soak(table: Table, skin: float, steps: int = 10_000) -> None:
+    figures = run_nve_soak(repeat=6, steps=steps, oracle_every=500, skin=skin)
+    drift, error = figures["max_drift"], figures["oracle_error"]
+    table.add(
+        "nve-soak", "atoms / steps of 5 fs / skin Å", f"{figures['atoms']} / {steps} / {skin:g}"
+    )
+    table.add(
+        "nve-soak",
+        "count, numbers and ids conserved",
+        str(figures["conserved"]),
+        figures["conserved"],
+    )
+    table.add(
+        "nve-soak",
+        "r, p, E_i, F bitwise equal on all ranks, every step",
+        str(figures["in_step"]),
+        figures["in_step"],
+    )
+    table.add(
+        "nve-soak",
+        "every atom owned (non-zero energy), every step",
+        str(figures["all_owned"]),
+        figures["all_owned"],
+    )
+    table.add(
+        "nve-soak",
+        "max |Etot - Etot0| / N (eV/atom)",
+        f"{drift:.2e}",
+        drift <= NVE_TOLERANCE,
+        f"<= {NVE_TOLERANCE:g}",
+    )
+    table.add("nve-soak", "(Etot_end - Etot0) / N (eV/atom)", f"{figures['end_drift']:+.2e}")
+    table.add(
+        "nve-soak",
+        f"max rel err vs ASE LJ ({figures['oracle_checks']} checks, E, F, stress)",
+        f"{error:.1e}",
+        error <= RTOL,
+        f"<= {RTOL:g}",
+    )
+    table.add("nve-soak", "rebuilds", f"{figures['rebuilds']}", figures["rebuilds"] > 1, "> 1")
+    table.add(
+        "nve-soak",
+        "owner changes over rebuilds (moves + rebalancing)",
+        f"{figures['owner_changes']}",
+        figures["owner_changes"] > 0 or COMM.size == 1,
+        "> 0",
+    )
+    table.add("nve-soak", "temperature at the end (K)", f"{figures['temperature']:.0f}")
+    table.add("nve-soak", "mean displacement (Å)", f"{figures['mean_displacement']:.1f}")
+    table.add("nve-soak", "steps/s (incl. checks)", f"{steps / figures['seconds']:.2f}")
+
+
 def barostats() -> dict:
     """Stress-driven NPT integrators of ase.md, towards zero pressure at 300 K."""
     return {
@@ -402,6 +461,7 @@ def case_timing(table: Table, skin: float) -> None:
 RUNNERS = {
     "nve": case_nve,
     "soak": case_soak,
+    "nve-soak": case_nve_soak,
     "npt": case_npt,
     "relax": case_relax,
     "timing": case_timing,
@@ -412,7 +472,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", choices=(*RUNNERS, "all"), default="all")
     parser.add_argument("--skin", type=float, default=1.0, help="ShardedCalculator skin in Å")
+    parser.add_argument(
+        "--soak-steps", type=int, default=10_000, help="MD steps of the nve-soak case"
+    )
     args = parser.parse_args()
+    RUNNERS["nve-soak"] = partial(case_nve_soak, steps=args.soak_steps)
     if COMM.is_root:
         print(f"ase_shard {ase_shard.__version__}, {COMM.size} MPI rank(s)", flush=True)
     table = Table()

@@ -1,0 +1,341 @@
+"""Fault matrix, in-process part: failing models, bad input, degenerate geometry, a soak.
+
+Every fault must end in the same clear error on every rank (never a hang) after
+which the calculator still gives exact results, or, where the input is legal, in
+ASE's results on every rank, bitwise equal. Runs at any rank count; ``make test``
+runs it under mpirun with 2, 3 and 4 ranks. Faults that kill or orphan processes
+need their own ``mpirun`` and live in ``test_faults_launch.py``; docs/reliability.md
+lists every fault with the test that drives it. Faults already covered by
+``test_sharded_errors.py`` and ``test_sharded_physics.py`` are not repeated here.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+from ase import Atoms
+from ase.build import bulk
+from ase.calculators.emt import EMT as AseEMT
+from ase.calculators.lj import LennardJones as AseLennardJones
+from oracles import ase_results, relative_errors
+from sharded import COMM, assert_identical_on_all_ranks, results
+from soak import run_nve_soak
+from systems import AR, CASES
+
+from ase_shard import CollectiveError, ShardedCalculator
+from ase_shard.models import EMT, LennardJones
+from ase_shard.partition import PARTITIONS
+
+pytestmark = pytest.mark.timeout(60)
+
+RTOL = 1e-10
+LAST = COMM.size - 1
+
+
+def _assert_exact(atoms: Atoms, ase_calc, stresses: bool = False) -> None:
+    """``atoms``' calculator agrees with ``ase_calc`` and is bitwise equal on all ranks."""
+    got = results(atoms)
+    errors = relative_errors(got, ase_results(ase_calc, atoms, stresses=stresses))
+    assert max(errors.values()) <= RTOL, errors
+    assert_identical_on_all_ranks(got)
+
+
+def _cu() -> Atoms:
+    return CASES["cu_bulk_emt"].make_atoms()
+
+
+# -- 1, 2: the model fails or returns non-finite numbers on some ranks ----------------
+
+
+class Boom(Exception):
+    """An exception type defined here: it must arrive on every rank as itself."""
+
+
+class NeedsTwoArguments(Exception):
+    """An exception that cannot be re-created from a message alone."""
+
+    def __init__(self, code: int, detail: str):
+        super().__init__(f"{code}: {detail}")
+
+
+class FailInBackward(torch.autograd.Function):
+    """Identity whose backward pass raises."""
+
+    @staticmethod
+    def forward(ctx, energies):
+        return energies.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise Boom("backward failed")
+
+
+class Faulty(torch.nn.Module):
+    """ASE-equal EMT that misbehaves on ``ranks`` while ``armed``.
+
+    ``fault``: ``raise`` (Boom in forward), ``raise-odd`` (an exception that
+    needs two arguments), ``backward`` (Boom during autograd), ``nan-energy`` /
+    ``inf-energy`` (the first owned atom's energy), ``nan-forces`` (a finite
+    energy whose gradient is NaN).
+    """
+
+    def __init__(self, fault: str, ranks: set[int]):
+        super().__init__()
+        self.inner = EMT()
+        self.cutoff, self.num_layers = self.inner.cutoff, 1
+        self.atomic_types = self.inner.atomic_types
+        self.fault, self.ranks, self.armed = fault, ranks, False
+
+    def forward(self, graph):
+        energies = self.inner(graph)
+        if not self.armed or COMM.rank not in self.ranks:
+            return energies
+        if self.fault == "raise":
+            raise Boom("model failed")
+        if self.fault == "raise-odd":
+            raise NeedsTwoArguments(7, "odd failure")
+        if self.fault == "backward":
+            return FailInBackward.apply(energies)
+        bump = torch.zeros_like(energies)
+        if self.fault == "nan-energy":
+            bump[0] = torch.nan
+        elif self.fault == "inf-energy":
+            bump[0] = torch.inf
+        else:  # nan-forces: sqrt(0 * x) is 0, its derivative 0 * inf = nan
+            bump[0] = torch.sqrt(0.0 * graph.edge_vectors[0, 0])
+        return energies + bump
+
+
+def _fail_then_recover(model: Faulty, error: type, pattern: str) -> str:
+    """A good call, a failing one (same rebuilds-free geometry), then exact again.
+
+    Returns the message of the error, after checking it is the same on all ranks.
+    """
+    atoms = _cu()
+    calc = ShardedCalculator(model)
+    atoms.calc = calc
+    _assert_exact(atoms, AseEMT())
+    atoms.positions[0, 0] += 0.01  # within the skin: the failing call reuses the layout
+    model.armed = True
+    with pytest.raises(error, match=pattern) as caught:
+        atoms.get_forces()
+    message = str(caught.value)
+    assert len(set(COMM.allgather(message))) == 1
+    model.armed = False
+    _assert_exact(atoms, AseEMT())
+    assert calc.rebuilds == 2  # the call after an error starts from a fresh layout
+    return message
+
+
+@pytest.mark.parametrize("fault", ["raise", "backward"])
+def test_model_exception_on_one_rank(fault: str) -> None:
+    pattern = rf"(model|backward) failed \[rank {LAST}\]$"
+    _fail_then_recover(Faulty(fault, {LAST}), Boom, pattern)
+
+
+def test_model_exception_on_two_ranks_names_both() -> None:
+    more = "; 1 more rank(s) failed" if COMM.size > 1 else ""
+    pattern = rf"model failed \[rank 0{re.escape(more)}\]$"
+    _fail_then_recover(Faulty("raise", {0, LAST}), Boom, pattern)
+
+
+def test_exception_that_cannot_be_recreated() -> None:
+    pattern = rf"NeedsTwoArguments: 7: odd failure \[rank {LAST}\]"
+    _fail_then_recover(Faulty("raise-odd", {LAST}), CollectiveError, pattern)
+
+
+@pytest.mark.parametrize("fault", ["nan-energy", "inf-energy", "nan-forces"])
+def test_non_finite_model_output(fault: str) -> None:
+    message = _fail_then_recover(Faulty(fault, {LAST}), FloatingPointError, "non-finite")
+    assert f"rank {LAST}" in message
+    assert re.search(r"atoms \[\d+", message), message
+
+
+# -- 3: bad or unusual input ----------------------------------------------------------
+
+
+def test_non_finite_cell() -> None:
+    atoms = _cu()
+    atoms.calc = ShardedCalculator(EMT())
+    cell = atoms.cell.array.copy()
+    atoms.cell[2, 2] = np.inf
+    with pytest.raises(ValueError, match="cell is not finite"):
+        atoms.get_potential_energy()
+    atoms.cell = cell
+    _assert_exact(atoms, AseEMT())
+
+
+@pytest.mark.parametrize("how", ["swapped", "mirrored"])
+def test_left_handed_cell_is_legal(how: str) -> None:
+    """A negative determinant is a legal cell: results equal ASE's, stress included."""
+    atoms = CASES["ar_triclinic_lj"].make_atoms()
+    if how == "swapped":
+        atoms.set_cell(atoms.cell[[1, 0, 2]])
+    else:
+        atoms.set_cell(atoms.cell.array @ np.diag([1.0, 1.0, -1.0]), scale_atoms=True)
+    assert np.linalg.det(atoms.cell.array) < 0
+    atoms.calc = ShardedCalculator(LennardJones(**AR))
+    _assert_exact(atoms, AseLennardJones(**AR), stresses=True)
+
+
+@pytest.mark.parametrize("distance", [1e3, 1e5])
+@pytest.mark.parametrize("case_name", ["au_cluster_emt", "pt111_slab_emt"])
+def test_atom_far_outside_non_periodic_box(case_name: str, distance: float) -> None:
+    """A cluster in a box, or a slab, with one atom far out along a non-periodic axis."""
+    atoms = CASES[case_name].make_atoms()
+    axis = 2 if atoms.pbc.any() else 0
+    if not atoms.pbc.any():
+        atoms.center(vacuum=5.0)
+    atoms.positions[3, axis] = distance
+    atoms.calc = ShardedCalculator(EMT())
+    _assert_exact(atoms, AseEMT())
+
+
+@pytest.mark.parametrize("number, name", [(0, "X"), (9, "F")])
+def test_element_unknown_to_the_model(number: int, name: str) -> None:
+    atoms = _cu()
+    atoms.calc = ShardedCalculator(EMT())
+    atoms.numbers[4] = number
+    with pytest.raises(ValueError, match=rf"does not support {name} \(it supports"):
+        atoms.get_forces()
+    atoms.numbers[4] = 29
+    _assert_exact(atoms, AseEMT())
+
+
+def test_empty_atoms_without_cell_then_atoms() -> None:
+    atoms = Atoms()
+    atoms.calc = ShardedCalculator(EMT())
+    assert atoms.get_potential_energy() == 0.0
+    assert atoms.get_forces().shape == (0, 3)
+    atoms.extend(_cu())
+    atoms.set_cell(_cu().cell)
+    atoms.pbc = True
+    _assert_exact(atoms, AseEMT())
+
+
+def test_number_of_atoms_changes_between_calls() -> None:
+    atoms = _cu()
+    calc = ShardedCalculator(EMT())
+    atoms.calc = calc
+    _assert_exact(atoms, AseEMT())
+    del atoms[[0, 17, 50]]
+    _assert_exact(atoms, AseEMT())
+    atoms += Atoms("Au", positions=[[1.0, 1.2, 0.9]])
+    _assert_exact(atoms, AseEMT())
+    del atoms[:]
+    assert atoms.get_potential_energy() == 0.0
+    atoms.extend(_cu())
+    _assert_exact(atoms, AseEMT())
+    assert calc.rebuilds == 5
+
+
+def _spoil(atoms: Atoms, field: str) -> None:
+    """Make ``atoms`` differ from the other ranks' copies in ``field``."""
+    if field == "number of atoms":
+        del atoms[-1]
+    elif field == "numbers":
+        atoms.numbers[2] = 79
+    elif field == "cell":
+        atoms.cell[0, 0] += 1e-9
+    else:
+        atoms.pbc = (True, True, False)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("field", ["number of atoms", "numbers", "cell", "pbc"])
+def test_ranks_hold_different_atoms(field: str) -> None:
+    """One rank's copy differs on the first call: every rank names that rank and field."""
+    atoms = _cu()
+    calc = ShardedCalculator(EMT())
+    atoms.calc = calc
+    if COMM.rank == LAST:
+        _spoil(atoms, field)
+    with pytest.raises(ValueError, match=rf"different Atoms.*rank {LAST}: [^)]*{field}"):
+        atoms.get_potential_energy()
+    atoms = _cu()
+    atoms.calc = calc
+    _assert_exact(atoms, AseEMT())
+
+
+# -- 4: degenerate geometry -----------------------------------------------------------
+
+
+def _corner_of_huge_box() -> Atoms:
+    """32 Cu atoms around one corner of a 500 Å periodic box (straddling the boundary)."""
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(2)
+    atoms.rattle(stdev=0.05, seed=2)
+    atoms.positions -= 3.6
+    atoms.set_cell([500.0, 500.0, 500.0])
+    atoms.pbc = True
+    return atoms
+
+
+def _periodic_chain() -> Atoms:
+    """A rattled argon chain, periodic along x only, no cell on y and z."""
+    atoms = Atoms(
+        "Ar40",
+        positions=[[3.8 * i, 0.0, 0.0] for i in range(40)],
+        cell=[152.0, 0.0, 0.0],
+        pbc=(True, False, False),
+    )
+    atoms.rattle(stdev=0.1, seed=3)
+    return atoms
+
+
+def _diagonal_chain() -> Atoms:
+    """A rattled argon chain along the body diagonal, no cell at all."""
+    atoms = Atoms("Ar40", positions=[[2.2 * i] * 3 for i in range(40)])
+    atoms.rattle(stdev=0.1, seed=3)
+    return atoms
+
+
+def _thin_cell() -> Atoms:
+    """Cu periodic in 3-D with a 3.6 Å cell vector against EMT's 5.9 Å cutoff."""
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat((4, 4, 1))
+    atoms.rattle(stdev=0.05, seed=2)
+    return atoms
+
+
+def _thin_triclinic_cell() -> Atoms:
+    atoms = _thin_cell()
+    atoms.set_cell(atoms.cell.array @ [[1, 0, 0], [0.3, 1, 0], [0.2, -0.25, 1]], scale_atoms=True)
+    return atoms
+
+
+DEGENERATE = {
+    "corner_of_huge_box": (_corner_of_huge_box, EMT, AseEMT),
+    "periodic_chain": (
+        _periodic_chain,
+        lambda: LennardJones(**AR, smooth=True),
+        lambda: AseLennardJones(**AR, smooth=True),
+    ),
+    "diagonal_chain": (_diagonal_chain, lambda: LennardJones(**AR), lambda: AseLennardJones(**AR)),
+    "thin_cell": (_thin_cell, EMT, AseEMT),
+    "thin_triclinic_cell": (_thin_triclinic_cell, EMT, AseEMT),
+}
+
+
+@pytest.mark.parametrize("partition", PARTITIONS)
+@pytest.mark.parametrize("name", sorted(DEGENERATE))
+def test_degenerate_geometry(name: str, partition: str) -> None:
+    make_atoms, make_model, make_ase_calc = DEGENERATE[name]
+    atoms = make_atoms()
+    atoms.calc = ShardedCalculator(make_model(), partition=partition)
+    _assert_exact(atoms, make_ase_calc())
+
+
+# -- 7: soak (reduced; the full 10,000 steps: scripts/md_acceptance.py --case nve-soak) --
+
+
+@pytest.mark.timeout(300)
+def test_nve_soak_short() -> None:
+    figures = run_nve_soak(repeat=4, steps=300, oracle_every=100)
+    assert figures["steps"] == 300
+    assert figures["conserved"] and figures["in_step"] and figures["all_owned"], figures
+    assert figures["max_drift"] <= 2e-4, figures  # eV/atom; measured 4.8e-5
+    assert figures["oracle_error"] <= RTOL, figures
+    assert figures["rebuilds"] > 10, figures
+    assert figures["owner_changes"] > 0 or COMM.size == 1, figures
