@@ -1,0 +1,89 @@
+"""SPMD faults for ``tests/test_faults_launch.py``: ``mpirun -n P python spmd.py MODE``.
+
+Every rank evaluates a small Cu crystal; rank 0 prints ``ready``, and a second
+later the last rank prints ``fault`` and injects ``MODE``:
+
+- ``kill``: SIGKILL itself; ``exit``: ``os._exit(3)`` (no cleanup at all);
+  ``sysexit``: ``sys.exit(2)``; ``raise``: an uncaught ``RuntimeError``.
+  Meanwhile the other ranks enter the next calculation and would wait forever.
+- ``diverge``: after a cached call, the last rank alone moves an atom; every
+  rank asks for the energy again and prints the error it gets.
+- ``far-atom``: no fault; a cluster with one atom 1e9 Å away, checked against
+  ASE's EMT (rank 0 prints the largest relative error).
+"""
+
+import os
+import signal
+import sys
+import time
+
+import ase_shard  # noqa: F401  (first: sets up MPI before ASE picks its world)
+
+# isort: split
+
+import numpy as np
+from ase.build import bulk
+from ase.calculators.emt import EMT as AseEMT
+
+from ase_shard import ShardedCalculator
+from ase_shard.comm import Comm
+from ase_shard.models import EMT
+
+
+def inject(mode: str) -> None:
+    """Die in the way ``mode`` names (shared by the worker-mode scripts)."""
+    if mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif mode == "exit":
+        os._exit(3)
+    elif mode == "sysexit":
+        sys.exit(2)
+    raise RuntimeError("injected failure")
+
+
+def far_atom(comm: Comm) -> None:
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(2)
+    atoms.pbc = False
+    atoms.rattle(stdev=0.05, seed=1)
+    atoms.positions[3] = [1e9, 0.0, 0.0]
+    atoms.calc = ShardedCalculator(EMT())
+    forces = atoms.get_forces()
+    if comm.is_root:
+        reference = atoms.copy()
+        reference.calc = AseEMT()
+        error = np.abs(forces - reference.get_forces()).max() / np.abs(forces).max()
+        print(f"far-atom error={error:.1e}", flush=True)
+
+
+def main(mode: str) -> None:
+    comm = Comm()
+    if mode == "far-atom":
+        far_atom(comm)
+        return
+    last = comm.size - 1
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(3)
+    atoms.calc = ShardedCalculator(EMT())
+    atoms.get_potential_energy()
+    comm.allgather(None)
+    if comm.is_root:
+        print("ready", flush=True)
+    time.sleep(1.0)
+    if mode == "diverge":
+        if comm.rank == last:
+            atoms.positions[0, 0] += 0.01
+        try:
+            atoms.get_potential_energy()
+            print(f"rank {comm.rank}: no error", flush=True)
+        except ValueError as error:
+            print(f"rank {comm.rank}: ValueError: {error}", flush=True)
+        return
+    if comm.rank == last:
+        print(f"fault {mode} on rank {last}", flush=True)
+        inject(mode)
+    atoms.rattle(0.01, seed=1)
+    atoms.get_potential_energy()  # the other ranks wait here for the failed one
+    print(f"rank {comm.rank}: finished, which it must not", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,190 @@
+"""Fault matrix, launched part: dying ranks and drivers end the job, with no orphans.
+
+Each case starts its own ``timeout ... mpirun ...`` (or a spawning Python) on a
+script of ``tests/fault_scripts``, snapshots the process tree when the script
+prints ``ready``, and checks the exit status, the time from the injected fault
+(the ``fault`` line) to the end of the job, and that every process of the tree
+is gone. Run by plain pytest (``make test``'s serial step); docs/reliability.md
+lists the outcomes and times.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = Path(__file__).parent / "fault_scripts"
+BIN = Path(sys.executable).parent
+ENV = {
+    **os.environ,
+    "OMPI_ALLOW_RUN_AS_ROOT": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    "PRTE_ALLOW_RUN_AS_ROOT": "1",
+    "PRTE_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    "OMP_NUM_THREADS": "1",
+}
+RANKS = 2
+# a job must end this soon after the fault (a hang runs into the timeout instead);
+# measured 0.3-5 s on a loaded 2-core machine
+BOUND_S = 45.0
+TIMEOUT_S = 150
+
+pytestmark = pytest.mark.timeout(TIMEOUT_S + 60)
+
+
+@dataclass
+class Outcome:
+    """What one launch did."""
+
+    returncode: int
+    lines: list[str] = field(default_factory=list)
+    seconds_after_fault: float | None = None
+    leftovers: list[str] = field(default_factory=list)
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def launch(*args: str, timeout: int = TIMEOUT_S) -> Outcome:
+    """Run ``args`` under ``timeout`` seconds; time the fault and look for survivors.
+
+    Output is read on a thread, so a survivor that keeps the pipe open cannot
+    block the test; survivors are reported, then killed by pid.
+    """
+    command = ["timeout", "-k", "5", str(timeout), *args]
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    tree: list[psutil.Process] = []
+    fault_at: list[float] = []
+    outcome = Outcome(returncode=-1)
+
+    def read() -> None:
+        for line in process.stdout:
+            outcome.lines.append(line.rstrip())
+            if line.startswith("ready") and not tree:
+                tree.extend(psutil.Process(process.pid).children(recursive=True))
+            elif line.startswith("fault") and not fault_at:
+                fault_at.append(time.monotonic())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    outcome.returncode = process.wait(timeout=timeout + 30)
+    ended = time.monotonic()
+    reader.join(timeout=5)
+    if fault_at:
+        outcome.seconds_after_fault = ended - fault_at[0]
+    deadline = ended + 10
+    while any(_alive(p) for p in tree) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for survivor in [p for p in tree if _alive(p)]:
+        outcome.leftovers.append(f"{survivor.pid} {' '.join(survivor.cmdline())}")
+        survivor.kill()
+    return outcome
+
+
+def mpirun(script: str, *args: str, python: tuple[str, ...] = (), **kwargs) -> Outcome:
+    """``script`` of tests/fault_scripts on ``RANKS`` ranks (``kwargs``: :func:`launch`)."""
+    return launch(
+        str(BIN / "mpirun"),
+        "--oversubscribe",
+        "-n",
+        str(RANKS),
+        sys.executable,
+        *python,
+        str(SCRIPTS / script),
+        *args,
+        **kwargs,
+    )
+
+
+def assert_job_ended(outcome: Outcome) -> None:
+    """Non-zero exit soon after the fault, nobody finished, no process left."""
+    print(f"exit status {outcome.returncode}, {outcome.seconds_after_fault} s after the fault")
+    assert outcome.returncode not in (0, 124), outcome.output
+    assert outcome.seconds_after_fault is not None, outcome.output
+    assert outcome.seconds_after_fault < BOUND_S, outcome.output
+    assert "must not" not in outcome.output
+    assert not outcome.leftovers, outcome.leftovers
+
+
+# -- 5: a rank dies while the others wait in a collective -----------------------------
+
+
+@pytest.mark.parametrize("mode", ["kill", "exit", "raise"])
+def test_dying_rank_ends_the_job(mode: str) -> None:
+    outcome = mpirun("spmd.py", mode)
+    assert_job_ended(outcome)
+    if mode == "raise":
+        assert f"uncaught RuntimeError on MPI rank {RANKS - 1} of {RANKS}" in outcome.output
+        assert "RuntimeError: injected failure" in outcome.output
+
+
+def test_sys_exit_on_one_rank_under_mpi4py_runner() -> None:
+    """``sys.exit(n)`` skips excepthooks; ``python -m mpi4py`` turns it into an abort."""
+    outcome = mpirun("spmd.py", "sysexit", python=("-m", "mpi4py"))
+    assert_job_ended(outcome)
+
+
+# -- 6: worker and notebook modes -----------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["kill", "raise", "worker-kill"])
+def test_serve_fault_ends_the_job(mode: str) -> None:
+    assert_job_ended(mpirun("serve.py", mode))
+
+
+@pytest.mark.parametrize("mode", ["kill", "raise", "worker-kill"])
+def test_spawn_fault_leaves_no_workers(mode: str) -> None:
+    assert_job_ended(launch(sys.executable, str(SCRIPTS / "spawn.py"), mode))
+
+
+def test_spawn_model_the_workers_cannot_load() -> None:
+    outcome = launch(sys.executable, str(SCRIPTS / "spawn.py"), "bad-model")
+    assert outcome.returncode == 0, outcome.output
+    assert "could not load the model" in outcome.output
+    assert "LocalEMT" in outcome.output and "[rank 1" in outcome.output
+    assert not outcome.leftovers
+
+
+# -- 3: input faults that end a process today ------------------------------------------
+
+
+def test_ranks_diverge_after_a_cached_call() -> None:
+    """Only the last rank moved an atom: every rank must raise, none may return its cache."""
+    outcome = mpirun("spmd.py", "diverge", timeout=60)  # a hang fails fast
+    assert outcome.returncode == 0, outcome.output
+    for rank in range(RANKS):
+        assert f"rank {rank}: ValueError: ranks hold different Atoms" in outcome.output
+    assert f"rank {RANKS - 1}: positions" in outcome.output
+    assert not outcome.leftovers
+
+
+def test_atom_a_billion_angstrom_away() -> None:
+    outcome = mpirun("spmd.py", "far-atom", timeout=60)
+    assert outcome.returncode == 0, outcome.output
+    error = float(outcome.output.split("far-atom error=")[1].split()[0])
+    assert error <= 1e-10
