@@ -3,7 +3,7 @@
 Rank 0 drives a ``serve`` calculator, prints ``ready`` after one calculation,
 then ``fault`` and:
 
-- ``kill`` / ``exit`` / ``raise``: dies as in ``spmd.py`` while the other ranks
+- ``kill`` / ``raise``: dies as in ``spmd.py`` while the other ranks
   wait for its next command;
 - ``worker-kill``: SIGKILLs the last (serving) rank and asks for another energy.
 """

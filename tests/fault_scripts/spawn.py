@@ -3,7 +3,7 @@
 The process spawns two workers, prints ``ready`` after one calculation, then
 ``fault`` and:
 
-- ``kill`` / ``exit`` / ``raise``: dies as in ``spmd.py`` without ``close()``;
+- ``kill`` / ``raise``: dies as in ``spmd.py`` without ``close()``;
 - ``worker-kill``: SIGKILLs one worker and asks for another energy;
 - ``bad-model``: (instead of the above) spawns workers for a model class defined
   in ``__main__``, which they cannot unpickle, and prints the error it gets.

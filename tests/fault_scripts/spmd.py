@@ -3,8 +3,8 @@
 Every rank evaluates a small Cu crystal; rank 0 prints ``ready``, and a second
 later the last rank prints ``fault`` and injects ``MODE``:
 
-- ``kill``: SIGKILL itself; ``exit``: ``os._exit(3)`` (no cleanup at all);
-  ``sysexit``: ``sys.exit(2)``; ``raise``: an uncaught ``RuntimeError``.
+- ``kill``: SIGKILL itself; ``sysexit``: ``sys.exit(2)``; ``raise``: an
+  uncaught ``RuntimeError``.
   Meanwhile the other ranks enter the next calculation and would wait forever.
 - ``diverge``: after a cached call, the last rank alone moves an atom; every
   rank asks for the energy again and prints the error it gets.
@@ -34,8 +34,6 @@ def inject(mode: str) -> None:
     """Die in the way ``mode`` names (shared by the worker-mode scripts)."""
     if mode == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    elif mode == "exit":
-        os._exit(3)
     elif mode == "sysexit":
         sys.exit(2)
     raise RuntimeError("injected failure")
