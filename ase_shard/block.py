@@ -98,7 +98,14 @@ class LocalBlock:
         rows = torch.as_tensor(node_rows, dtype=torch.float64, device=self.device)
         return rows + self.node_shift @ cell
 
-    def evaluate(self, node_rows: np.ndarray, cell: np.ndarray, dtype) -> torch.Tensor:
+    def evaluate(
+        self,
+        node_rows: np.ndarray,
+        cell: np.ndarray,
+        dtype,
+        inputs: dict[str, np.ndarray] | None = None,
+        system: dict[str, list] | None = None,
+    ) -> torch.Tensor:
         """Per-node energy, force and virial contributions.
 
         Parameters
@@ -108,6 +115,10 @@ class LocalBlock:
         cell : (3, 3) array
         dtype : torch.dtype
             The model's precision.
+        inputs : dict of str to (n_nodes, ...) arrays, optional
+            The model's per-atom inputs for the nodes.
+        system : dict of str to values, optional
+            The model's per-system inputs.
 
         Returns
         -------
@@ -128,18 +139,26 @@ class LocalBlock:
             # edges are formed in float64, then cast, so float32 models do not
             # lose precision to large absolute coordinates
             vectors = d.detach().to(dtype).requires_grad_(True)
-            inputs = [vectors]
+            wrt = [vectors]
             exchange = None
             if self.exchange is not None:
-                inputs.append(self.exchange.new_evaluation(dtype))
+                wrt.append(self.exchange.new_evaluation(dtype))
                 exchange = self.exchange
-            graph = LocalGraph(self.numbers, torch.stack([i, j]), vectors, self.n_owned, exchange)
+            graph = LocalGraph(
+                self.numbers,
+                torch.stack([i, j]),
+                vectors,
+                self.n_owned,
+                exchange,
+                self._tensors(inputs, dtype),
+                self._tensors(system, dtype),
+            )
             owned_energy = self.model(graph)[: self.n_owned]
 
         with timer.phase("backward"):
             # with an exchange every rank must run backward (it is collective)
             if owned_energy.requires_grad and (exchange is not None or vectors.shape[0]):
-                grad = torch.autograd.grad(owned_energy.sum(), inputs, allow_unused=True)[0]
+                grad = torch.autograd.grad(owned_energy.sum(), wrt, allow_unused=True)[0]
             else:
                 grad = None
             grad = torch.zeros_like(d) if grad is None else grad.to(torch.float64)
@@ -158,6 +177,12 @@ class LocalBlock:
             rows[:, 1:].index_add_(0, i, torch.cat([grad, edge_virial], dim=1))
             rows[:, 1:].index_add_(0, j, torch.cat([-grad, edge_virial], dim=1))
         return rows
+
+    def _tensors(self, values: dict | None, dtype) -> dict[str, torch.Tensor]:
+        return {
+            name: torch.as_tensor(value, dtype=torch.float64, device=self.device).to(dtype)
+            for name, value in (values or {}).items()
+        }
 
     def _check_finite(self, owned_energy, grad, centre, neighbour) -> None:
         bad_energy = ~torch.isfinite(owned_energy.detach())

@@ -28,6 +28,7 @@ from ase_shard.graph import (
     supports_layer_halo,
 )
 from ase_shard.halo import rank_rows
+from ase_shard.inputs import ModelInputs, pack, unpack
 from ase_shard.partition import (
     PARTITIONS,
     choose_grid,
@@ -160,6 +161,8 @@ class ShardedCalculator(Calculator):
         self._on_close: list = []
         self._block: LocalBlock | None = None
         self._root_state: dict | None = None  # rank 0: layout of the last build
+        self.inputs = ModelInputs.of(model)
+        self._inputs_digest: bytes | None = None  # of the inputs last calculated
 
     @property
     def skin(self) -> float:
@@ -206,9 +209,23 @@ class ShardedCalculator(Calculator):
             ghosts.append((rows.ids[rows.n_owned :], rows.image_shift[rows.n_owned :]))
         return {"owners": owners, "ghosts": ghosts}
 
+    def check_state(self, atoms: Atoms, tol: float = 1e-15) -> list[str]:
+        """ASE's changes, plus ``"model inputs"`` when a declared input changed.
+
+        ASE compares only positions, numbers, cell, pbc and the initial charges
+        and magnetic moments; a model may also read custom arrays, velocities
+        or ``atoms.info`` values.
+        """
+        changes = Calculator.check_state(self, atoms, tol)
+        if self.inputs and self._inputs_digest != self.inputs.digest(atoms, self.parameters):
+            changes.append("model inputs")
+        return changes
+
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes):
         Calculator.calculate(self, atoms, properties, system_changes)
         atoms = self.atoms
+        if self.inputs and atoms is not None:
+            self._inputs_digest = self.inputs.digest(atoms, self.parameters)
         if self._driven:
             self.comm.bcast(CALCULATE)
         try:
@@ -216,6 +233,7 @@ class ShardedCalculator(Calculator):
         except BaseException:
             # the next call starts from a fresh decomposition on every rank
             self._block = self._root_state = None
+            self._inputs_digest = None
             raise
 
     def _calculate(self, atoms: Atoms | None) -> None:
@@ -247,16 +265,26 @@ class ShardedCalculator(Calculator):
                     (),
                     np.int64,
                 )
-            # every row at a rebuild (for the neighbour list), then the nodes only
+            # every row at a rebuild (for the neighbour list), then the nodes only;
+            # per-atom model inputs travel in the same rows, after the positions
             part = "rows" if rebuild_now else "nodes"
-            row_positions = comm.scatter_rows(
-                np.split(atoms.positions[root[part]], root[part + "_splits"])
+            shapes = plan.get("input_shapes", {})
+            width = 3 + sum(int(np.prod(shape, dtype=np.int64)) for shape in shapes.values())
+            row_data = comm.scatter_rows(
+                np.split(
+                    np.concatenate(
+                        [atoms.positions[root[part]], pack(root["inputs"], root[part])], axis=1
+                    ),
+                    root[part + "_splits"],
+                )
                 if comm.is_root
                 else None,
                 n_rows if rebuild_now else n_nodes,
-                (3,),
+                (width,),
                 np.float64,
             )
+            row_positions = row_data[:, :3]
+            node_inputs = unpack(row_data[:n_nodes, 3:], shapes)
 
         error, rows = None, None
         try:
@@ -287,7 +315,10 @@ class ShardedCalculator(Calculator):
                     exchange,
                     timer,
                 )
-            rows = self._block.evaluate(row_positions[:n_nodes], cell, self.dtype).cpu().numpy()
+            rows = self._block.evaluate(
+                row_positions[:n_nodes], cell, self.dtype, node_inputs, plan.get("system")
+            )
+            rows = rows.cpu().numpy()
             # the closing status vote (see ase_shard.exchange)
             if comm.any(False):
                 raise PeerFailure("another rank failed")
@@ -331,13 +362,17 @@ class ShardedCalculator(Calculator):
                 plan = self._plan(atoms)
             except Exception as exc:
                 error = describe(exc, 0)
-        mine = fingerprint(atoms) if comm.size > 1 and not self._driven else None
+        mine = None
+        if comm.size > 1 and not self._driven:
+            inputs = self.inputs.digest(atoms, self.parameters) if self.inputs else None
+            mine = (fingerprint(atoms), inputs)
         views = comm.allgather((mine, error, plan))
         root_print, root_error, plan = views[0]
         if root_error is not None:
             raise rebuild([root_error])
         differing = {
-            rank: differing_fields(root_print, view[0])
+            rank: differing_fields(root_print[0], view[0][0])
+            + (["model inputs"] if view[0][1] != root_print[1] else [])
             for rank, view in enumerate(views)
             if view[0] != root_print
         }
@@ -380,6 +415,13 @@ class ShardedCalculator(Calculator):
         }
         if rebuild_now:
             plan["exchange_counts"] = [r.send_counts.tolist() for r in state["layout"]]
+        state["inputs"] = self.inputs.per_atom_arrays(atoms)
+        bad = [name for name, value in state["inputs"].items() if not np.isfinite(value).all()]
+        if bad:
+            raise ValueError(f"per-atom model inputs {bad} are not finite")
+        if self.inputs:
+            plan["input_shapes"] = {k: list(v.shape[1:]) for k, v in state["inputs"].items()}
+            plan["system"] = self.inputs.system_values(atoms, self.parameters)
         return plan
 
     def _rebuild_reason(self, atoms: Atoms, state: dict | None) -> str | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -37,6 +37,13 @@ class LocalGraph:
         values. A message-passing model calls it between layers, the same
         number of times on every rank (it is collective). ``None`` (full
         halo): ghost features are computed locally; nothing to exchange.
+    inputs : dict of str to torch.Tensor
+        The per-atom arrays the model declares in ``per_atom_inputs``, one
+        ``(n, ...)`` tensor each in the model's dtype (ghosts carry their
+        owner's values).
+    system : dict of str to torch.Tensor
+        The per-system values the model declares in ``system_inputs``, the
+        same on every rank, in the model's dtype.
     """
 
     numbers: torch.Tensor
@@ -44,6 +51,8 @@ class LocalGraph:
     edge_vectors: torch.Tensor
     n_owned: int
     exchange: Callable[[torch.Tensor], torch.Tensor] | None = None
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    system: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def n_atoms(self) -> int:
@@ -62,6 +71,11 @@ class ShardModel(Protocol):
     ``forward(graph)`` returns ``(n,)`` per-atom energies in eV for every local
     row. Messages flow into the centre ``edge_index[0]``: after one layer the
     energy of atom ``i`` may depend only on the edges centred on ``i``.
+
+    Optional declarations: ``per_atom_inputs`` (names of ``Atoms`` arrays,
+    e.g. ``("initial_charges",)``) and ``system_inputs`` (names looked up in
+    ``atoms.info``, else the calculator's parameters, e.g. ``("charge",)``)
+    arrive as ``graph.inputs`` and ``graph.system`` (see ``ase_shard.inputs``).
 
     A model that sets ``supports_layer_halo = True`` calls
     ``graph.exchange`` between its layers when it is not ``None``; it then

@@ -18,9 +18,17 @@ _VOIGT = ([0, 1, 2, 1, 0, 0], [0, 1, 2, 2, 2, 1])
 
 
 def evaluate_periodic_graph(
-    model: torch.nn.Module, atoms: Atoms, dtype: torch.dtype = torch.float64
+    model: torch.nn.Module,
+    atoms: Atoms,
+    dtype: torch.dtype = torch.float64,
+    inputs: dict[str, np.ndarray] | None = None,
+    system: dict[str, float] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Energy (eV), per-atom energies, forces (eV/Å) and stresses (eV/Å³) of ``atoms``."""
+    """Energy (eV), per-atom energies, forces (eV/Å) and stresses (eV/Å³) of ``atoms``.
+
+    ``inputs`` (per-atom arrays) and ``system`` (per-system values) become the
+    graph's ``inputs`` and ``system``, for models that declare them.
+    """
     periodic = bool(atoms.pbc.any())
     box = atoms.cell.array if periodic else np.zeros((3, 3))
     nl = vesin.NeighborList(cutoff=model.cutoff, full_list=True)
@@ -38,6 +46,8 @@ def evaluate_periodic_graph(
         edge_index=torch.stack([i, j]),
         edge_vectors=vectors,
         n_owned=len(atoms),
+        inputs={k: torch.as_tensor(v, dtype=dtype) for k, v in (inputs or {}).items()},
+        system={k: torch.as_tensor(v, dtype=dtype) for k, v in (system or {}).items()},
     )
     energies = model(graph)
     assert energies.dtype == dtype and energies.shape == (len(atoms),)

@@ -52,3 +52,31 @@ class ToyMessagePassing(torch.nn.Module):
             messages = torch.zeros_like(h).index_add(0, centre, radial[:, None] * h[neighbour])
             h = h + torch.tanh(messages @ weight)
         return h @ self.readout
+
+
+class ChargedPairs(torch.nn.Module):
+    """A test-only pair model that reads per-atom charges and spins and the total charge.
+
+    ``e_i = sum_j f_c(r) [q_i q_j exp(-r) / 2 + s_i (1 + Q / 4) exp(-r^2 / 4) / 10]`` with
+    ``q`` the initial charges, ``s`` a custom ``"spins"`` array (which ASE's own change
+    detection ignores) and ``Q = atoms.info["charge"]``. Energies in eV-like units.
+    """
+
+    atomic_types = None
+    num_layers = 1
+    per_atom_inputs = ("initial_charges", "spins")
+    system_inputs = ("charge",)
+
+    def __init__(self, cutoff: float = 4.0):
+        super().__init__()
+        self.cutoff = cutoff
+
+    def forward(self, graph: LocalGraph) -> torch.Tensor:
+        centre, neighbour = graph.edge_index
+        r = torch.linalg.vector_norm(graph.edge_vectors, dim=-1)
+        cut = 0.5 * (torch.cos(math.pi * r / self.cutoff) + 1.0)
+        q, s = graph.inputs["initial_charges"], graph.inputs["spins"]
+        total = graph.system["charge"]
+        pair = 0.5 * q[centre] * q[neighbour] * torch.exp(-r)
+        spin = 0.1 * s[centre] * (1.0 + total / 4.0) * torch.exp(-r * r / 4.0)
+        return torch.zeros_like(q).index_add(0, centre, cut * (pair + spin))
