@@ -171,7 +171,7 @@ def test_spawn_model_the_workers_cannot_load() -> None:
     outcome = launch(sys.executable, str(SCRIPTS / "spawn.py"), "bad-model")
     assert outcome.returncode == 0, outcome.output
     assert "could not load the model" in outcome.output
-    assert "LocalEMT" in outcome.output and "[rank 1" in outcome.output
+    assert "LocalEMT" in outcome.output and "[rank 1]" in outcome.output
     assert not outcome.leftovers
 
 

@@ -1,12 +1,12 @@
 """Notebook-mode faults for ``tests/test_faults_launch.py``: ``python spawn.py MODE``.
 
-The process spawns two workers, prints ``ready`` after one calculation, then
+The process spawns one worker, prints ``ready`` after one calculation, then
 ``fault`` and:
 
 - ``kill`` / ``raise``: dies as in ``spmd.py`` without ``close()``;
-- ``worker-kill``: SIGKILLs one worker and asks for another energy;
-- ``bad-model``: (instead of the above) spawns workers for a model class defined
-  in ``__main__``, which they cannot unpickle, and prints the error it gets.
+- ``worker-kill``: SIGKILLs the worker and asks for another energy;
+- ``bad-model``: (instead of the above) spawns a worker for a model class defined
+  in ``__main__``, which it cannot unpickle, and prints the error it gets.
 """
 
 import signal
@@ -30,11 +30,11 @@ class LocalEMT(EMT):
 def main(mode: str) -> None:
     if mode == "bad-model":
         try:
-            ase_shard.spawn(LocalEMT(), workers=2)
+            ase_shard.spawn(LocalEMT(), workers=1)
         except RuntimeError as error:
             print(f"RuntimeError: {error} (cause: {error.__cause__!r})", flush=True)
         return
-    calc = ase_shard.spawn(EMT(), workers=2)
+    calc = ase_shard.spawn(EMT(), workers=1)
     atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(3)
     atoms.calc = calc
     atoms.get_potential_energy()
