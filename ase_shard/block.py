@@ -14,6 +14,7 @@ import torch
 from ase_shard.exchange import HaloExchange
 from ase_shard.graph import LocalGraph
 from ase_shard.neighbors import neighbor_pairs
+from ase_shard.padding import Capacities, pad_graph
 from ase_shard.timing import PhaseTimer
 
 # Columns of the per-node result: owned energy, force (3), virial Voigt (6).
@@ -47,6 +48,8 @@ class LocalBlock:
         Per-layer halo: only edges centred on owned nodes are built and the
         model refreshes ghost features through it.
     timer : PhaseTimer, optional
+    compiled : callable, optional
+        The compiled model; it is given graphs padded to :meth:`pad`'s capacities.
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class LocalBlock:
         device,
         exchange: HaloExchange | None = None,
         timer: PhaseTimer | None = None,
+        compiled=None,
     ):
         self.device = torch.device(device)
         self.timer = timer or PhaseTimer(self.device)
@@ -75,6 +79,10 @@ class LocalBlock:
         self.n_owned, self.n_nodes = int(n_owned), int(n_nodes)
         self.model = model
         self.exchange = exchange
+        self.compiled = compiled
+        self.capacity: Capacities | None = None
+        types = getattr(model, "atomic_types", None)
+        self.fill_number = int(min(types)) if types else 1  # padding nodes' element
 
         with self.timer.phase("neighbors"):
             rows = torch.as_tensor(row_positions, dtype=torch.float64, device=self.device)
@@ -92,6 +100,16 @@ class LocalBlock:
             self.neighbour = node[neighbour_row]
             # cells between the neighbour's row and its node
             self.edge_shift = image_shift[neighbour_row] - image_shift[self.neighbour]
+
+    def needed(self) -> Capacities:
+        """Sizes a padded graph needs until the next rebuild (one spare owned node)."""
+        return Capacities(self.n_owned + 1, self.n_nodes - self.n_owned, self.centre.shape[0])
+
+    def pad(self, capacity: Capacities) -> None:
+        """Give the compiled model graphs of these sizes from now on."""
+        self.capacity = capacity
+        if self.exchange is not None:
+            self.exchange.pad(capacity.owned, capacity.ghosts)
 
     def node_positions(self, node_rows: np.ndarray, cell: torch.Tensor) -> torch.Tensor:
         """Cartesian positions (Å, float64) of the nodes."""
@@ -153,7 +171,11 @@ class LocalBlock:
                 self._tensors(inputs, dtype),
                 self._tensors(system, dtype),
             )
-            owned_energy = self.model(graph)[: self.n_owned]
+            if self.capacity is None:
+                owned_energy = self.model(graph)[: self.n_owned]
+            else:
+                padded = pad_graph(graph, self.capacity, self.fill_number, self.model.cutoff)
+                owned_energy = self.compiled(padded)[: self.n_owned]
 
         with timer.phase("backward"):
             # with an exchange every rank must run backward (it is collective)

@@ -29,6 +29,7 @@ from ase_shard.graph import (
 )
 from ase_shard.halo import rank_rows
 from ase_shard.inputs import ModelInputs, pack, unpack
+from ase_shard.padding import Capacities
 from ase_shard.partition import (
     PARTITIONS,
     choose_grid,
@@ -59,6 +60,10 @@ def place_rank(device: Any, comm: Comm) -> torch.device:
     if torch.cuda.is_available():
         return torch.device(f"cuda:{node_rank % torch.cuda.device_count()}")
     return torch.device("cpu")
+
+
+class _Failed(Exception):
+    """This rank's block could not be built (the error is already recorded)."""
 
 
 class ShardedCalculator(Calculator):
@@ -92,6 +97,11 @@ class ShardedCalculator(Calculator):
         any model. ``layer``: ghosts cover one cutoff and the model refreshes
         their features from their owners between layers (models with
         ``supports_layer_halo``). Default: ``layer`` where supported.
+    compile : bool or str
+        Run the model through ``torch.compile`` (``True``: the default
+        backend; a string names the backend). Graphs are padded to capacities
+        agreed by all ranks, so shapes change, and the model recompiles, only
+        when a capacity grows. Parts dynamo cannot compile run eagerly.
 
     Results (eV, eV/Å, eV/Å³) equal the serial evaluation to round-off and are
     bitwise identical on every rank. ``stress``/``stresses`` exist only when the
@@ -112,6 +122,7 @@ class ShardedCalculator(Calculator):
         partition: str = "spatial",
         grid: Sequence[int] | None = None,
         halo: str | None = None,
+        compile: bool | str = False,
         **kwargs,
     ):
         if partition not in PARTITIONS:
@@ -151,10 +162,19 @@ class ShardedCalculator(Calculator):
             partition=partition,
             grid=list(grid) if grid else None,
             halo=halo,
+            compile=compile,
             model=type(model).__name__,
         )
         self.rebuilds = 0
         self.timer = PhaseTimer(self.device)
+        self._compiled = None
+        self._capacity = Capacities()
+        self._exchange_handle: int | None = None
+        if compile:
+            # a frame dynamo cannot compile runs eagerly instead of raising
+            torch._dynamo.config.suppress_errors = True
+            backend = compile if isinstance(compile, str) else "inductor"
+            self._compiled = torch.compile(self.model, backend=backend, dynamic=False)
         # set by ase_shard.worker: rank 0 drives, the other ranks serve
         self._driven = False
         self._idle_root = False
@@ -287,34 +307,22 @@ class ShardedCalculator(Calculator):
             node_inputs = unpack(row_data[:n_nodes, 3:], shapes)
 
         error, rows = None, None
-        try:
-            if rebuild_now:
-                exchange = None
-                if self.parameters["halo"] == "layer":
-                    counts = np.asarray(plan["exchange_counts"])
-                    exchange = HaloExchange(
-                        comm,
-                        n_owned,
-                        send_index,
-                        counts[comm.rank],
-                        counts[:, comm.rank],
-                        self.device,
-                    )
-                self._block = LocalBlock(
-                    meta[:, 0],
-                    meta[:, 4],
-                    meta[:, 1:4],
-                    meta[:, 5],
-                    n_owned,
-                    n_nodes,
-                    self.model,
-                    self.skin,
-                    row_positions,
-                    cell,
-                    self.device,
-                    exchange,
-                    timer,
+        if rebuild_now:
+            try:
+                self._block = self._build_block(
+                    meta, send_index, n_owned, n_nodes, row_positions, cell, plan
                 )
+            except Exception as exc:
+                error = describe(exc, comm.rank)
+            if self._compiled is not None:
+                # every rank pads to the same sizes, so they (re)compile together
+                needed = self._block.needed() if error is None else Capacities()
+                self._capacity = self._capacity.grown(Capacities.largest(comm.allgather(needed)))
+                if error is None:
+                    self._block.pad(self._capacity)
+        try:
+            if error is not None:
+                raise _Failed
             rows = self._block.evaluate(
                 row_positions[:n_nodes], cell, self.dtype, node_inputs, plan.get("system")
             )
@@ -325,7 +333,7 @@ class ShardedCalculator(Calculator):
         except PeerFailure as exc:
             error = describe(exc, comm.rank)
         except Exception as exc:
-            error = describe(exc, comm.rank)
+            error = error or describe(exc, comm.rank)
             comm.any(True)
         if rows is None:
             rows = np.zeros((n_nodes, RESULT_COLUMNS))
@@ -348,6 +356,38 @@ class ShardedCalculator(Calculator):
             buffer = comm.bcast_array(buffer if buffer is not None else np.empty(size))
         if atoms is not None:
             self._store(atoms, buffer)
+
+    def _build_block(self, meta, send_index, n_owned, n_nodes, row_positions, cell, plan):
+        exchange = None
+        if self.parameters["halo"] == "layer":
+            counts = np.asarray(plan["exchange_counts"])
+            rank = self.comm.rank
+            exchange = HaloExchange(
+                self.comm,
+                n_owned,
+                send_index,
+                counts[rank],
+                counts[:, rank],
+                self.device,
+                self._exchange_handle,
+            )
+            self._exchange_handle = exchange.handle  # kept: compiled models specialise on it
+        return LocalBlock(
+            meta[:, 0],
+            meta[:, 4],
+            meta[:, 1:4],
+            meta[:, 5],
+            n_owned,
+            n_nodes,
+            self.model,
+            self.skin,
+            row_positions,
+            cell,
+            self.device,
+            exchange,
+            self.timer,
+            self._compiled,
+        )
 
     def _agree_on_system(self, atoms: Atoms) -> dict:
         """Validate, decide on a rebuild and plan it on rank 0; agree everywhere.

@@ -17,6 +17,8 @@ collectives would pair up wrongly and hang. Two rules make sure of it:
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -41,6 +43,10 @@ class HaloExchange:
         Rows sent to / received from each rank; received rows are the ghost
         nodes in order.
     device : torch.device
+    handle : int, optional
+        Key under which the exchange is registered for its torch custom ops
+        (``ase_shard::halo_exchange``). A compiled model specialises on it, so
+        a calculator keeps one handle across rebuilds; default: a new one.
     """
 
     def __init__(
@@ -51,13 +57,25 @@ class HaloExchange:
         send_counts: np.ndarray,
         recv_counts: np.ndarray,
         device: torch.device,
+        handle: int | None = None,
     ):
+        self.handle = next(_HANDLES) if handle is None else int(handle)
+        _EXCHANGES[self.handle] = self
         self.comm = comm
         self.n_owned = int(n_owned)
         self.send_index = torch.as_tensor(send_index, dtype=torch.int64, device=device)
         self.send_counts = np.asarray(send_counts, dtype=np.int64)
         self.recv_counts = np.asarray(recv_counts, dtype=np.int64)
         self.token: torch.Tensor | None = None
+        self.pad(self.n_owned, int(self.recv_counts.sum()))
+
+    def pad(self, owned_rows: int, ghost_rows: int) -> None:
+        """Lay features out as ``owned_rows`` owned then ``ghost_rows`` ghost rows.
+
+        The rows beyond the real owned and ghost nodes are padding
+        (``ase_shard.padding``): never sent, received as zeros.
+        """
+        self.owned_rows, self.ghost_rows = int(owned_rows), int(ghost_rows)
 
     def new_evaluation(self, dtype: torch.dtype) -> torch.Tensor:
         """A fresh token for one forward/backward pass (differentiate w.r.t. it)."""
@@ -66,9 +84,11 @@ class HaloExchange:
 
     def __call__(self, owned: torch.Tensor) -> torch.Tensor:
         """Features of all nodes from the ``(n_owned, ...)`` owned ones."""
-        if owned.shape[0] != self.n_owned:
-            raise ValueError(f"exchange expects {self.n_owned} owned rows, got {owned.shape[0]}")
-        return _Exchange.apply(owned, self.token, self)
+        if owned.shape[0] != self.owned_rows:
+            raise ValueError(
+                f"exchange expects {self.owned_rows} owned rows, got {owned.shape[0]}"
+            )
+        return halo_exchange(owned, self.token, self.handle)
 
     def vote(self, failed: bool = False) -> None:
         """Status vote; raises :class:`PeerFailure` if another rank failed."""
@@ -84,20 +104,51 @@ class HaloExchange:
         ghosts = self._move(
             owned.index_select(0, self.send_index), self.send_counts, self.recv_counts
         )
-        return torch.cat([owned, ghosts])
+        padding = owned.new_zeros((self.ghost_rows - ghosts.shape[0], *owned.shape[1:]))
+        return torch.cat([owned, ghosts, padding])
 
     def sum_into_owners(self, grad: torch.Tensor) -> torch.Tensor:
         self.vote()
-        back = self._move(grad[self.n_owned :], self.recv_counts, self.send_counts)
-        return grad[: self.n_owned].index_add(0, self.send_index, back)
+        n_ghosts = int(self.recv_counts.sum())
+        ghosts = grad[self.owned_rows : self.owned_rows + n_ghosts]
+        back = self._move(ghosts, self.recv_counts, self.send_counts)
+        return grad[: self.owned_rows].index_add(0, self.send_index, back)
 
 
-class _Exchange(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, owned: torch.Tensor, token: torch.Tensor, halo: HaloExchange):
-        ctx.halo = halo
-        return halo.copy_to_ghosts(owned)
+# Custom ops rather than an autograd.Function: torch.compile treats them as
+# opaque nodes (no graph break, so a model's layer loop stays compiled).
+_HANDLES = itertools.count()
+_EXCHANGES: dict[int, HaloExchange] = {}
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return ctx.halo.sum_into_owners(grad.contiguous()), None, None
+
+@torch.library.custom_op("ase_shard::halo_exchange", mutates_args=())
+def halo_exchange(owned: torch.Tensor, token: torch.Tensor, handle: int) -> torch.Tensor:
+    """Owned rows -> all rows (owned, ghosts from their owners, padding zeros)."""
+    return _EXCHANGES[handle].copy_to_ghosts(owned.contiguous())
+
+
+@halo_exchange.register_fake
+def _(owned: torch.Tensor, token: torch.Tensor, handle: int) -> torch.Tensor:
+    return owned.new_empty((owned.shape[0] + _EXCHANGES[handle].ghost_rows, *owned.shape[1:]))
+
+
+@torch.library.custom_op("ase_shard::halo_reverse", mutates_args=())
+def halo_reverse(grad: torch.Tensor, handle: int) -> torch.Tensor:
+    """Gradient w.r.t. all rows -> w.r.t. owned rows (ghost parts summed into owners)."""
+    return _EXCHANGES[handle].sum_into_owners(grad.contiguous())
+
+
+@halo_reverse.register_fake
+def _(grad: torch.Tensor, handle: int) -> torch.Tensor:
+    return grad.new_empty((_EXCHANGES[handle].owned_rows, *grad.shape[1:]))
+
+
+def _setup(ctx, inputs, output) -> None:
+    ctx.handle = inputs[2]
+
+
+def _backward(ctx, grad: torch.Tensor):
+    return halo_reverse(grad, ctx.handle), None, None
+
+
+halo_exchange.register_autograd(_backward, setup_context=_setup)

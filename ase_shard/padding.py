@@ -1,0 +1,99 @@
+"""Fixed-size local graphs for ``torch.compile`` (pure torch, no MPI).
+
+A compiled model is specialised to its input shapes; a new node or edge count
+would recompile it, and a rank recompiling alone would fall out of step with
+the others' collectives. So the graph a compiled model sees has capacities:
+owned nodes, ghost nodes and edges padded to sizes that every rank agrees on
+and that grow geometrically only when some rank outgrows them.
+
+Padding is inert: padding nodes have an element the model supports, no real
+edge touches them, and every padding edge is a self-edge of the first padding
+node (a periodic-image-like edge of half the cutoff). Their energies are not
+summed and no gradient flows from them into real atoms.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ase_shard.graph import LocalGraph
+
+GROWTH = 1.5  # capacity factor when outgrown (and headroom at the first build)
+
+
+@dataclass(frozen=True)
+class Capacities:
+    """Padded sizes of one local graph: owned nodes, ghost nodes, edges."""
+
+    owned: int = 0
+    ghosts: int = 0
+    edges: int = 0
+
+    def grown(self, needed: Capacities) -> Capacities:
+        """Capacities that fit ``needed``; unchanged when they already do."""
+
+        def grow(capacity: int, need: int) -> int:
+            return capacity if need <= capacity else max(need, math.ceil(GROWTH * capacity))
+
+        if self == Capacities():
+            return Capacities(
+                *(math.ceil(GROWTH * n) for n in (needed.owned, needed.ghosts, needed.edges))
+            )
+        return Capacities(
+            grow(self.owned, needed.owned),
+            grow(self.ghosts, needed.ghosts),
+            grow(self.edges, needed.edges),
+        )
+
+    @staticmethod
+    def largest(all_needed: list[Capacities]) -> Capacities:
+        """The element-wise maximum over ranks."""
+        return Capacities(
+            *(max(getattr(c, f) for c in all_needed) for f in ("owned", "ghosts", "edges"))
+        )
+
+
+def pad_graph(
+    graph: LocalGraph, capacity: Capacities, fill_number: int, cutoff: float
+) -> LocalGraph:
+    """``graph`` with nodes ``[owned, padding, ghosts, padding]`` and padded edges.
+
+    ``capacity.owned`` must exceed ``graph.n_owned`` (one padding node carries
+    the padding edges). The returned graph's ``n_owned`` is ``capacity.owned``:
+    the caller keeps only the first real ``n_owned`` energies.
+    """
+    n_owned, n = graph.n_owned, graph.n_atoms
+    n_ghosts, n_edges = n - n_owned, graph.edge_index.shape[1]
+    device = graph.numbers.device
+    owned_pad, ghost_pad = capacity.owned - n_owned, capacity.ghosts - n_ghosts
+    edge_pad = capacity.edges - n_edges
+    if owned_pad < 1 or ghost_pad < 0 or edge_pad < 0:
+        raise ValueError(
+            f"graph of {n_owned}+{n_ghosts} nodes, {n_edges} edges exceeds {capacity}"
+        )
+
+    def nodes(values: torch.Tensor, fill) -> torch.Tensor:
+        def block(rows: int) -> torch.Tensor:
+            return torch.full((rows, *values.shape[1:]), fill, dtype=values.dtype, device=device)
+
+        return torch.cat([values[:n_owned], block(owned_pad), values[n_owned:], block(ghost_pad)])
+
+    # real node k sits at slot k (owned) or k + owned_pad (ghost)
+    slot = torch.arange(n, device=device)
+    slot[n_owned:] += owned_pad
+    pad_index = torch.full((2, edge_pad), n_owned, dtype=torch.int64, device=device)
+    vectors = graph.edge_vectors
+    pad_vectors = torch.zeros((edge_pad, 3), dtype=vectors.dtype, device=device)
+    pad_vectors[:, 0] = 0.5 * cutoff
+    return LocalGraph(
+        numbers=nodes(graph.numbers, fill_number),
+        edge_index=torch.cat([slot[graph.edge_index], pad_index], dim=1),
+        edge_vectors=torch.cat([vectors, pad_vectors]),
+        n_owned=capacity.owned,
+        exchange=graph.exchange,
+        inputs={name: nodes(value, 0.0) for name, value in graph.inputs.items()},
+        system=graph.system,
+    )
