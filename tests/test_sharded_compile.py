@@ -22,7 +22,7 @@ def test_capacities_grow_geometrically() -> None:
     first = Capacities().grown(Capacities(10, 4, 100))
     assert first == Capacities(15, 6, 150)
     assert first.grown(Capacities(12, 6, 90)) == first
-    assert first.grown(Capacities(16, 2, 151)) == Capacities(22, 6, 225)
+    assert first.grown(Capacities(16, 2, 151)) == Capacities(23, 6, 225)
     assert Capacities.largest([Capacities(1, 9, 3), Capacities(4, 2, 8)]) == Capacities(4, 9, 8)
 
 
