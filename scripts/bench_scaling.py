@@ -52,8 +52,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--max-load",
         type=float,
-        help="before each run, wait (up to 10 min) until the 1-minute load average is below this",
+        help="before each run, wait (up to --patience) until the 1-minute load average is below "
+        "this",
     )
+    parser.add_argument("--patience", type=float, default=600, help="seconds, for --max-load")
     parser.add_argument("bench_args", nargs="*", help="after --: passed to ase-shard bench")
     return parser.parse_args(argv)
 
@@ -62,7 +64,7 @@ def stem(args: argparse.Namespace, size: int, ranks: int) -> Path:
     return args.out_dir / f"{args.model}-{args.system}-{size}-p{ranks}"
 
 
-def wait_for_quiet(max_load: float, patience: float = 600.0) -> None:
+def wait_for_quiet(max_load: float, patience: float) -> None:
     """Wait until the 1-minute load average drops below ``max_load`` (or give up)."""
     deadline = time.monotonic() + patience
     while os.getloadavg()[0] >= max_load and time.monotonic() < deadline:
@@ -72,7 +74,7 @@ def wait_for_quiet(max_load: float, patience: float = 600.0) -> None:
 def run_one(args: argparse.Namespace, size: int, ranks: int) -> None:
     """One ``ase-shard bench`` under ``mpirun -n ranks``; raises if it fails."""
     if args.max_load is not None:
-        wait_for_quiet(args.max_load)
+        wait_for_quiet(args.max_load, args.patience)
     out = stem(args, size, ranks)
     command = ["timeout", "-k", "10", str(args.timeout), str(BIN / "mpirun"), "--oversubscribe"]
     command += ["-n", str(ranks), str(BIN / "ase-shard"), "bench", "--model", args.model]
