@@ -147,7 +147,11 @@ class ShardedCalculator(Calculator):
         self.device = place_rank(device, self.comm)
         self.dtype = dtype or model_dtype(model)
         if self.dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"dtype must be torch.float32 or torch.float64, not {self.dtype}")
+            raise ValueError(
+                f"dtype must be torch.float32 or torch.float64, not {self.dtype}: in half "
+                "precision (float16/bfloat16) edge vectors keep 3 significant digits and "
+                "forces are not usable for MD; pass dtype=torch.float32 to run such a model"
+            )
         self.model = model.to(device=self.device, dtype=self.dtype)
         digests = self.comm.allgather(model_digest(self.model))
         differing = [rank for rank, digest in enumerate(digests) if digest != digests[0]]

@@ -116,8 +116,13 @@ def test_bad_arguments() -> None:
         ShardedCalculator(EMT(), partition="random")
     with pytest.raises(ValueError, match="multiply"):
         ShardedCalculator(EMT(), grid=(COMM.size + 1, 1, 1))
-    with pytest.raises(ValueError, match="dtype"):
-        ShardedCalculator(EMT(), dtype=torch.float16)
+    for half in (torch.float16, torch.bfloat16):
+        with pytest.raises(ValueError, match="dtype=torch.float32"):
+            ShardedCalculator(EMT(), dtype=half)
+    # a half-precision model is refused unless a supported dtype is asked for
+    with pytest.raises(ValueError, match="half"):
+        ShardedCalculator(EMT().to(torch.bfloat16))
+    assert ShardedCalculator(EMT().to(torch.bfloat16), dtype=torch.float32).dtype == torch.float32
 
 
 def test_empty_atoms() -> None:
