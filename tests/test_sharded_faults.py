@@ -332,10 +332,10 @@ def test_degenerate_geometry(name: str, partition: str) -> None:
 
 @pytest.mark.timeout(300)
 def test_nve_soak_short() -> None:
-    figures = run_nve_soak(repeat=4, steps=300, oracle_every=100)
-    assert figures["steps"] == 300
+    figures = run_nve_soak(repeat=4, steps=200, oracle_every=100)
+    assert figures["steps"] == 200
     assert figures["conserved"] and figures["in_step"] and figures["all_owned"], figures
-    assert figures["max_drift"] <= 2e-4, figures  # eV/atom; measured 4.8e-5
+    assert figures["max_drift"] <= 2e-4, figures  # eV/atom; measured 4.2e-5
     assert figures["oracle_error"] <= RTOL, figures
-    assert figures["rebuilds"] > 10, figures
+    assert figures["rebuilds"] > 10, figures  # measured 29
     assert figures["owner_changes"] > 0 or COMM.size == 1, figures
