@@ -32,9 +32,25 @@ def neighbor_pairs(positions: torch.Tensor, cutoff: float) -> torch.Tensor:
     """
     if positions.shape[0] < 2:
         return torch.zeros((2, 0), dtype=torch.int64, device=positions.device)
+    positions = close_gaps(positions.detach().to(torch.float64), cutoff)
     if positions.device.type == "cpu":
         return _vesin_pairs(positions, cutoff)
     return _cell_list_pairs(positions, cutoff)
+
+
+def close_gaps(positions: torch.Tensor, cutoff: float) -> torch.Tensor:
+    """Positions with every empty slab wider than ``2 cutoff`` narrowed to ``2 cutoff``.
+
+    No pair closer than ``cutoff`` spans such a slab, and none is created by
+    narrowing it, so the pairs are unchanged; but the extent a cell list must
+    cover stays below ``2 n cutoff`` even with an atom 1e9 Å away (which would
+    otherwise overflow vesin's bin count or a GPU cell list's memory).
+    """
+    order = torch.argsort(positions, dim=0)
+    ordered = torch.gather(positions, 0, order)
+    excess = (ordered.diff(dim=0) - 2.0 * cutoff).clamp(min=0.0)
+    shift = torch.cat([torch.zeros_like(excess[:1]), excess.cumsum(dim=0)])
+    return positions - torch.empty_like(shift).scatter_(0, order, shift)
 
 
 def _vesin_pairs(positions: torch.Tensor, cutoff: float) -> torch.Tensor:

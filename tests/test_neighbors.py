@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from ase_shard.neighbors import _cell_list_pairs, neighbor_pairs
+from ase_shard.neighbors import _cell_list_pairs, close_gaps, neighbor_pairs
 
 
 def _brute_force(points: np.ndarray, cutoff: float) -> np.ndarray:
@@ -95,3 +95,17 @@ def test_float32_and_grad_inputs() -> None:
     positions = torch.from_numpy(points).requires_grad_(True)
     for pairs in (neighbor_pairs(positions, 1.5), _cell_list_pairs(positions, 1.5)):
         np.testing.assert_array_equal(_sorted_pairs(pairs), expected)
+
+
+def test_far_apart_groups() -> None:
+    """Empty gaps of 1e9 Å: the pairs are the brute-force ones, no overflow."""
+    rng = np.random.default_rng(4)
+    points = rng.uniform(0.0, 6.0, (40, 3))
+    points[30:] += [1e9, -3e8, 5e6]  # a second group far away
+    points[35:] += [0.0, 0.0, 1e9]
+    expected = _brute_force(points, 2.5)
+    got = neighbor_pairs(torch.as_tensor(points), 2.5)
+    np.testing.assert_array_equal(_sorted_pairs(got), expected)
+    np.testing.assert_array_equal(
+        _sorted_pairs(_cell_list_pairs(close_gaps(torch.as_tensor(points), 2.5), 2.5)), expected
+    )
