@@ -238,8 +238,9 @@ def random_mace(
 
     Needs the ``mace-torch`` package (its own environment, ``.venv-mace``).
     """
+    # mace first: importing it lets torch.load read e3nn's pickled constants
+    from mace import modules  # noqa: I001
     from e3nn import o3
-    from mace import modules
 
     from ase_shard.models.mace import MACE
 
