@@ -102,6 +102,11 @@ class ShardedCalculator(Calculator):
         backend; a string names the backend). Graphs are padded to capacities
         agreed by all ranks, so shapes change, and the model recompiles, only
         when a capacity grows. Parts dynamo cannot compile run eagerly.
+    timeout : float or None
+        Seconds a rank waits at the start of a calculation for the other ranks
+        (under mpirun, SPMD) before it aborts the MPI job with a message:
+        ranks whose ``Atoms`` diverged, so that only some of them calculate,
+        end the job instead of hanging it. ``None`` waits forever.
 
     Results (eV, eV/Å, eV/Å³) equal the serial evaluation to round-off and are
     bitwise identical on every rank. ``stress``/``stresses`` exist only when the
@@ -123,6 +128,7 @@ class ShardedCalculator(Calculator):
         grid: Sequence[int] | None = None,
         halo: str | None = None,
         compile: bool | str = False,
+        timeout: float | None = 600.0,
         **kwargs,
     ):
         if partition not in PARTITIONS:
@@ -171,6 +177,7 @@ class ShardedCalculator(Calculator):
         )
         self.rebuilds = 0
         self.timer = PhaseTimer(self.device)
+        self.timeout = timeout
         self._compiled = None
         self._capacity = Capacities()
         self._exchange_handle: int | None = None
@@ -252,6 +259,10 @@ class ShardedCalculator(Calculator):
             self._inputs_digest = self.inputs.digest(atoms, self.parameters)
         if self._driven:
             self.comm.bcast(CALCULATE)
+        else:
+            self.comm.rendezvous(
+                self.timeout, "calculate too (do all ranks hold the same Atoms and call it?)"
+            )
         try:
             self._calculate(atoms)
         except BaseException:

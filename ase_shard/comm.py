@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -147,6 +148,30 @@ class Comm:
             spec.append([buffer.reshape(-1).view(np.uint8), (sizes, offsets), MPI.BYTE])
         self.mpi.Alltoallv(spec[0], spec[1])
         return recv
+
+    def rendezvous(self, timeout: float | None, waiting_for: str) -> None:
+        """Barrier that ends the MPI job if the other ranks do not arrive in time.
+
+        A collective that some ranks never enter (their ``Atoms`` diverged, one
+        of them is stuck) would otherwise wait forever. After ``timeout``
+        seconds (``None``: wait forever) this rank prints what it was waiting
+        for and calls ``MPI_Abort``, so the job ends non-zero.
+        """
+        if self.mpi is None or self.size == 1:
+            return
+        request = self.mpi.Ibarrier()
+        start, pause = time.monotonic(), 1e-6
+        while not request.Test():
+            waited = time.monotonic() - start
+            if timeout is not None and waited > timeout:
+                sys.stderr.write(
+                    f"ase_shard: rank {self.rank} waited {waited:.0f} s for the other ranks "
+                    f"to {waiting_for}; aborting the MPI job\n"
+                )
+                sys.stderr.flush()
+                self.mpi.Abort(1)
+            time.sleep(pause)
+            pause = min(2.0 * pause, 1e-3)  # quick when they are close, cheap when not
 
     def any(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on any rank."""
