@@ -38,6 +38,7 @@ import os
 import platform
 import resource
 import socket
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -61,6 +62,8 @@ _VOIGT_B = [0, 1, 2, 2, 2, 1]
 # rows x width of the ceiling's tanh/matmul loop: small enough for the L2 cache
 _CEILING_SHAPE = (256, 64)
 _CEILING_REPEATS = 5
+# largest relative difference from the bare model that is round-off, per dtype
+AGREEMENT_TOLERANCE = {"float64": 1e-8, "float32": 1e-3}
 # displacement index of the untimed step after each first call
 _WARM_UP_STEP = 2**31
 
@@ -731,6 +734,7 @@ def run_benchmark(
             "python": platform.python_version(),
             "torch": torch.__version__,
             "ase_shard": ase_shard.__version__,
+            "source": _source_state(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             # 1-minute load averages: other jobs on a shared machine distort the timings
             "load_average": [load_start, _load_average()],
@@ -758,6 +762,27 @@ def run_benchmark(
     }
     report["ratios"] = _ratios(report)
     return report
+
+
+def _source_state() -> dict | None:
+    """The git commit of the ``ase_shard`` checkout and its modified files (``None``
+    outside a git checkout): what code produced the timings."""
+    package = os.path.dirname(os.path.abspath(__file__))
+
+    def git(*args: str) -> str:
+        done = subprocess.run(
+            ["git", "-C", package, *args], capture_output=True, text=True, timeout=30
+        )
+        if done.returncode != 0:
+            raise OSError(done.stderr)
+        return done.stdout
+
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+        status = git("status", "--porcelain", "--untracked-files=no", "--", ".")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": commit, "modified": [line[3:] for line in status.splitlines()]}
 
 
 def _load_average() -> float | None:
@@ -958,10 +983,24 @@ def format_summary(report: dict) -> str:
         text = "ASE calculator / 1-rank sharded"
         lines.append(f"  {text:<36}{ratios['ase_over_sharded_1']:>10.3f}")
     lines += ["", "  agreement with the bare model (max relative difference)"]
-    lines += [
-        f"    {_label(name, size):<26} energy {a['energy']:.1e}, forces {a['forces']:.1e}"
-        for name, a in report["agreement"].items()
-    ]
+    tolerance = AGREEMENT_TOLERANCE[report["dtype"]]
+    for name, a in report["agreement"].items():
+        flag = "  <- DIFFERS" if max(a.values()) > tolerance else ""
+        lines.append(
+            f"    {_label(name, size):<26} energy {a['energy']:.1e}, "
+            f"forces {a['forces']:.1e}{flag}"
+        )
+    if any(max(a.values()) > tolerance for a in report["agreement"].values()):
+        lines.append(
+            f"  WARNING: results differ from the bare model by more than {tolerance:g}; "
+            "these timings are of wrong results"
+        )
+    source = report["environment"]["source"]
+    if source is not None and source["modified"]:
+        lines.append(
+            f"  note: measured on commit {source['commit'][:10]} with modified files: "
+            + ", ".join(source["modified"])
+        )
     layout = np.array(results["sharded"]["layout"])
     padded = layout[:, 2] / np.maximum(layout[:, 1], 1)
     lines += [

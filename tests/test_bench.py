@@ -21,7 +21,7 @@ from ase.build import bulk
 from ase.calculators.emt import EMT as AseEMT
 from oracles import ase_results, relative_errors
 
-from ase_shard.bench import BareModel
+from ase_shard.bench import BareModel, format_summary
 from ase_shard.cli import main
 from ase_shard.comm import Comm
 from ase_shard.models import EMT
@@ -133,6 +133,11 @@ def test_one_rank(tmp_path, capsys) -> None:
     assert png.stat().st_size > 10_000
     out = capsys.readouterr().out
     assert "speed-up, 1 -> 1 rank" in out and "machine ceiling on 1 rank" in out
+    assert "DIFFERS" not in out and "WARNING" not in out
+    # a subject that computed something else is flagged, not just timed
+    report["agreement"]["sharded"]["forces"] = 1e-3
+    assert "sharded, 1 rank" in format_summary(report).split("DIFFERS")[0].splitlines()[-1]
+    assert "WARNING: results differ from the bare model" in format_summary(report)
 
 
 def test_rejects_bad_arguments(capsys) -> None:
