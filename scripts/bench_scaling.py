@@ -104,8 +104,9 @@ def markdown_table(reports: list[dict]) -> str:
     """One row per run: step times (ms) and the in-run ratios."""
     lines = [
         "| atoms | ranks | bare ms | 1 rank ms | P ranks ms (reuse / rebuild) | 1 rank / bare | "
-        "speed-up (reuse) | efficiency | vs bare | ceiling | peak MiB (P / 1) | nodes/owned |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "speed-up (reuse) | efficiency | vs bare | ceiling | speed-up / ceiling "
+        "| first-call MiB (P / 1) | peak MiB (P / 1) | nodes/owned | max diff from bare |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for report in sorted(reports, key=lambda r: (r["system"]["n_atoms"], r["ranks"])):
         results, ratios, size = report["results"], report["ratios"], report["ranks"]
@@ -113,8 +114,15 @@ def markdown_table(reports: list[dict]) -> str:
         reuse = ratios["reuse"]
         layout = report["results"]["sharded"]["layout"]
         padded = max(nodes / max(owned, 1) for _, owned, nodes in layout)
-        peak = max(m["peak_rss_mb"] for m in results["sharded"]["memory"])
-        peak_one = one["memory"][0]["peak_rss_mb"] if one else float("nan")
+        memory = {
+            field: (
+                max(m[field] for m in results["sharded"]["memory"]),
+                one["memory"][0][field] if one else float("nan"),
+            )
+            for field in ("peak_rss_delta_mb", "peak_rss_mb")
+        }
+        speedup = reuse.get("speedup", float("nan"))
+        differs = max(max(a.values()) for a in report["agreement"].values())
         lines.append(
             f"| {report['system']['n_atoms']:,} | {size} "
             f"| {1e3 * results['bare']['reuse']['step_s']:.0f} "
@@ -122,10 +130,12 @@ def markdown_table(reports: list[dict]) -> str:
             f"| {1e3 * results['sharded']['reuse']['step_s']:.0f} / "
             f"{1e3 * results['sharded']['rebuild']['step_s']:.0f} "
             f"| {reuse.get('sharded_1_over_bare', float('nan')):.3f} "
-            f"| {reuse.get('speedup', float('nan')):.2f} "
-            f"| {reuse.get('efficiency', float('nan')):.2f} "
+            f"| {speedup:.2f} | {reuse.get('efficiency', float('nan')):.2f} "
             f"| {reuse['speedup_vs_bare']:.2f} | {ratios['ceiling']:.2f} "
-            f"| {peak:.0f} / {peak_one:.0f} | {padded:.2f} |"
+            f"| {speedup / ratios['ceiling']:.2f} "
+            f"| {memory['peak_rss_delta_mb'][0]:.0f} / {memory['peak_rss_delta_mb'][1]:.0f} "
+            f"| {memory['peak_rss_mb'][0]:.0f} / {memory['peak_rss_mb'][1]:.0f} "
+            f"| {padded:.2f} | {differs:.0e} |"
         )
     return "\n".join(lines)
 
