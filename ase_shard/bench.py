@@ -14,7 +14,7 @@ was started with (``P``):
   alone.
 - ``ceiling``: the machine's own limit for the speed-up, a fixed single-thread
   tanh/matmul loop on rank 0 alone and the same loop split over the ``P``
-  ranks.
+  ranks, sampled after every round of steps.
 
 Every subject evaluates the same sequence of positions: small random
 displacements of the input structure, so that ``reuse`` steps keep the
@@ -61,7 +61,6 @@ _VOIGT_A = [0, 1, 2, 1, 0, 0]
 _VOIGT_B = [0, 1, 2, 2, 2, 1]
 # rows x width of the ceiling's tanh/matmul loop: small enough for the L2 cache
 _CEILING_SHAPE = (256, 64)
-_CEILING_REPEATS = 5
 # largest relative difference from the bare model that is round-off, per dtype
 AGREEMENT_TOLERANCE = {"float64": 1e-8, "float32": 1e-3}
 # displacement index of the untimed step after each first call
@@ -83,7 +82,7 @@ class BenchSettings:
     serial_reference : bool
         With ``P > 1`` ranks, also time ``ShardedCalculator`` on rank 0 alone.
     ceiling_seconds : float
-        Duration of the ceiling's single-rank loop.
+        Duration of the ceiling's single-rank loop (one after every step).
     calculator : dict
         Further keyword arguments of ``ShardedCalculator`` (``device``, ...).
     """
@@ -521,11 +520,16 @@ def _first_calls(comm: Comm, entries: list[_Entry], moves: Displacements, device
 
 
 def _timed_steps(
-    comm: Comm, entries: list[_Entry], moves: Displacements, settings: BenchSettings
+    comm: Comm,
+    entries: list[_Entry],
+    moves: Displacements,
+    settings: BenchSettings,
+    ceiling: Ceiling,
 ) -> dict:
     """The reuse steps, then the rebuild steps, of all subjects interleaved step by step.
 
-    Interleaving puts every subject under the same load of a shared machine.
+    Interleaving puts every subject under the same load of a shared machine;
+    ``ceiling`` takes a sample after every round.
     Returns on rank 0, per subject and kind: median step time, samples,
     energies, rebuild count, the phase breakdown per step (a list per rank)
     and the last step's forces (``"forces"``, an array).
@@ -552,6 +556,7 @@ def _timed_steps(
                     samples.append(out[0])
                     energies.append(float(out[1]))
                     records[entry.name] = (samples, energies, out[2])
+            ceiling.sample()
         for entry in active:
             timer = entry.subject.timer if entry.subject is not None else None
             mine = None
@@ -594,47 +599,56 @@ def _spin(iterations: int) -> None:
         x = torch.tanh(x @ w + 0.1)
 
 
-def measure_ceiling(comm: Comm, seconds: float) -> dict:
-    """The machine's own speed-up limit on ``comm.size`` ranks.
+class Ceiling:
+    """The machine's own speed-up limit on ``comm.size`` ranks, sampled between steps.
 
     A fixed amount of single-thread work (calibrated on rank 0 to last
     ``seconds``) runs on rank 0 alone while the others wait, then split evenly
-    over all ranks, each timed from a common start to the slowest rank's end
-    (medians of five, alternated). ``speedup`` = serial time / split time.
+    over all ranks, each timed from a common start to the slowest rank's end.
+    :meth:`sample` takes one of each; the benchmark samples after every round
+    of steps, so the ceiling sees the load the steps saw. ``speedup`` is the
+    median over samples of serial time / split time.
     """
-    size = comm.size
 
-    def calibrate() -> int:
-        start = time.perf_counter()
-        _spin(64)
-        per_iteration = (time.perf_counter() - start) / 64
-        return size * max(1, math.ceil(seconds / per_iteration / size))
+    def __init__(self, comm: Comm, seconds: float):
+        self.comm = comm
+        size = comm.size
 
-    iterations = comm.bcast(_on_root(comm, calibrate))
+        def calibrate() -> int:
+            start = time.perf_counter()
+            _spin(64)
+            per_iteration = (time.perf_counter() - start) / 64
+            return size * max(1, math.ceil(seconds / per_iteration / size))
 
-    def serial_run() -> float:
-        start = time.perf_counter()
-        _spin(iterations)
-        return time.perf_counter() - start
+        self.iterations = comm.bcast(_on_root(comm, calibrate))
+        self.serial: list[float] = []
+        self.split: list[float] = []
 
-    def split_run() -> float:
+    def sample(self) -> None:
+        """One serial run on rank 0 and one split run on all ranks."""
+        comm = self.comm
+
+        def serial_run() -> float:
+            start = time.perf_counter()
+            _spin(self.iterations)
+            return time.perf_counter() - start
+
+        self.serial.append(comm.bcast(_on_root(comm, serial_run)))
         comm.allgather(None)
         start = time.perf_counter()
-        _spin(iterations // size)
-        return max(comm.allgather(time.perf_counter() - start))
+        _spin(self.iterations // comm.size)
+        self.split.append(max(comm.allgather(time.perf_counter() - start)))
 
-    # alternated, so slow drifts of a shared machine hit both alike
-    serial, split = [], []
-    for _ in range(_CEILING_REPEATS):
-        serial.append(comm.bcast(_on_root(comm, serial_run)))
-        split.append(split_run())
-    serial_s, split_s = float(np.median(serial)), float(np.median(split))
-    return {
-        "iterations": iterations,
-        "serial_s": serial_s,
-        "split_s": split_s,
-        "speedup": serial_s / split_s,
-    }
+    def result(self) -> dict:
+        serial, split = np.array(self.serial), np.array(self.split)
+        return {
+            "iterations": self.iterations,
+            "serial_samples_s": self.serial,
+            "split_samples_s": self.split,
+            "serial_s": float(np.median(serial)),
+            "split_s": float(np.median(split)),
+            "speedup": float(np.median(serial / split)),
+        }
 
 
 # ----------------------------------------------------------------------- one run
@@ -701,7 +715,8 @@ def run_benchmark(
         entries.append(_Entry("ase", subject, everyone=False, kinds=("reuse",)))
 
     first_calls = _first_calls(comm, entries, moves, device)
-    results = _timed_steps(comm, entries, moves, settings)
+    ceiling = Ceiling(comm, settings.ceiling_seconds)
+    results = _timed_steps(comm, entries, moves, settings, ceiling)
     layouts = {
         e.name: _layout(e.subject.calc)
         for e in entries
@@ -710,7 +725,6 @@ def run_benchmark(
     del calc, entries, bare
     if alone is not None:
         alone.Free()
-    ceiling = measure_ceiling(comm, settings.ceiling_seconds)
     if not comm.is_root:
         return None
 
@@ -758,7 +772,7 @@ def run_benchmark(
         "settings": settings_json,
         "agreement": _agreement(results, forces),
         "results": results,
-        "ceiling": ceiling,
+        "ceiling": ceiling.result(),
     }
     report["ratios"] = _ratios(report)
     return report
