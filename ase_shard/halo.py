@@ -75,6 +75,11 @@ def rank_rows(
 ) -> list[RankRows]:
     """Owned rows, ghost rows and the feature-exchange plan of every rank.
 
+    The work is ``O(N)`` plus the rows returned for spatially compact
+    domains: candidate images are binned once into a grid of cells about a
+    halo width wide, and each rank tests only the atoms in the cells its
+    widened box overlaps.
+
     Parameters
     ----------
     coords : FrameCoordinates
@@ -93,44 +98,193 @@ def rank_rows(
     -------
     list of RankRows, one per rank.
     """
-    s = coords.s
+    # One row per axis (a free view of the column-major frame coordinates):
+    # per-axis tests then read contiguous memory.
+    s = np.ascontiguousarray(coords.s.T)
     width = np.where(pbc, halo_width / coords.spacing, halo_width)
-    owned = [np.flatnonzero(owners == rank) for rank in range(n_ranks)]
-    lo = np.array([s[ids].min(axis=0) if len(ids) else np.full(3, np.inf) for ids in owned])
-    hi = np.array([s[ids].max(axis=0) if len(ids) else np.full(3, -np.inf) for ids in owned])
+    owned, lo, hi = _owned_boxes(s, owners, n_ranks)
     lo, hi = lo - width, hi + width
     reach_lo, reach_hi = lo.min(axis=0), hi.max(axis=0)
 
-    ghost_ids: list[list[np.ndarray]] = [[] for _ in range(n_ranks)]
-    ghost_shift: list[list[np.ndarray]] = [[] for _ in range(n_ranks)]
-    for image in itertools.product(*image_range(width, pbc)):
-        shifted = s + np.array(image)
-        # atoms whose image can reach any domain at all
-        near = np.flatnonzero(np.all((shifted >= reach_lo) & (shifted <= reach_hi), axis=1))
-        if len(near) == 0:
-            continue
-        candidate = shifted[near]
-        for rank in range(n_ranks):
-            inside = np.all((candidate >= lo[rank]) & (candidate <= hi[rank]), axis=1)
-            if not any(image):
-                inside &= owners[near] != rank
-            ids = near[inside]
-            ghost_ids[rank].append(ids)
-            ghost_shift[rank].append(np.broadcast_to(np.array(image), (len(ids), 3)))
+    images, cand_ids, cand_image, cand_s = _near_images(s, width, pbc, reach_lo, reach_hi)
+    home = np.flatnonzero(~images.any(axis=1))[0]  # index of the zero shift
+    cells = _CellGrid(cand_s, reach_lo, reach_hi, width)
+    del cand_s  # the grid keeps its own copy in cell order
 
     position = np.empty(len(owners), dtype=np.int64)  # place among its owner's nodes
     for ids in owned:
         position[ids] = np.arange(len(ids))
     local = []
     for rank in range(n_ranks):
-        ids = np.concatenate([owned[rank], *ghost_ids[rank]]).astype(np.int64)
-        image_shift = np.concatenate(
-            [np.zeros((len(owned[rank]), 3), dtype=np.int64), *ghost_shift[rank]]
-        ).astype(np.int64)
-        image_shift += coords.wrap_shift[ids]
         n_owned = len(owned[rank])
+        # Candidates come back ascending, so ghost rows keep the order of the
+        # image search (by image, then atom), whatever the grid. An empty
+        # rank's box is inverted (lo = inf): it needs no ghosts.
+        found = cells.query(lo[rank], hi[rank]) if n_owned else np.zeros(0, dtype=np.int64)
+        found_ids, found_image = cand_ids[found], cand_image[found]
+        # the home images of the rank's own atoms are its owned rows already
+        ghost = (found_image != home) | (owners[found_ids] != rank)
+        ids = np.concatenate([owned[rank], found_ids[ghost]]).astype(np.int64)
+        image_shift = np.concatenate(
+            [np.zeros((n_owned, 3), dtype=np.int64), np.take(images, found_image[ghost], axis=0)]
+        )
+        image_shift += coords.wrap_shift[ids]
         local.append(_fold(rank, ids, image_shift, n_owned, owners, position, fold_foreign))
     return _with_exchange_plan(local, owners, position)
+
+
+def _owned_boxes(
+    s: np.ndarray, owners: np.ndarray, n_ranks: int
+) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """Atoms owned by each rank, ascending, and the bounding box of each rank's atoms.
+
+    Parameters
+    ----------
+    s : (3, N) float
+        Frame coordinates, one row per axis.
+    owners : (N,) int
+    n_ranks : int
+
+    Returns
+    -------
+    owned : list of (n_r,) int64
+    lo, hi : (P, 3) float
+        Box corners; ``inf`` and ``-inf`` for a rank that owns nothing.
+    """
+    # 8/16-bit keys make numpy's stable argsort an O(N) radix sort
+    by_owner = np.argsort(owners.astype(np.min_scalar_type(n_ranks)), kind="stable")
+    counts = np.bincount(owners, minlength=n_ranks)
+    starts = np.cumsum(counts) - counts
+    lo = np.full((n_ranks, 3), np.inf)
+    hi = np.full((n_ranks, 3), -np.inf)
+    filled = np.flatnonzero(counts)
+    if len(filled):
+        s_by_owner = np.take(s, by_owner, axis=1)
+        lo[filled] = np.minimum.reduceat(s_by_owner, starts[filled], axis=1).T
+        hi[filled] = np.maximum.reduceat(s_by_owner, starts[filled], axis=1).T
+    return np.split(by_owner, starts[1:]), lo, hi
+
+
+def _near_images(
+    s: np.ndarray, width: np.ndarray, pbc: np.ndarray, reach_lo: np.ndarray, reach_hi: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Atom images inside the box ``[reach_lo, reach_hi]`` that holds every widened box.
+
+    Parameters
+    ----------
+    s : (3, N) float
+        Frame coordinates, one row per axis.
+    width : (3,) float
+        Halo width in frame units.
+    pbc : (3,) bool
+    reach_lo, reach_hi : (3,) float
+
+    Returns
+    -------
+    images : (K, 3) int64
+        Cell shifts tried, in ``itertools.product`` order.
+    ids : (M,) int64
+        Atom of each image found; ordered by image, then by atom.
+    image : (M,) unsigned int
+        Index into ``images`` of each image found.
+    points : (3, M) float
+        Frame coordinates of each image found, one row per axis.
+    """
+    shifts = image_range(width, pbc)
+    # The box test splits by axis: testing each axis and shift once leaves
+    # two boolean ANDs per image instead of a pass over all coordinates.
+    near_axis = [
+        {k: (s[axis] + k >= reach_lo[axis]) & (s[axis] + k <= reach_hi[axis]) for k in ks}
+        for axis, ks in enumerate(shifts)
+    ]
+    images = list(itertools.product(*shifts))
+    ids, points = [], []
+    for kx, ky, kz in images:
+        near = np.flatnonzero(near_axis[0][kx] & near_axis[1][ky] & near_axis[2][kz])
+        ids.append(near)
+        points.append(np.take(s, near, axis=1) + np.array([[kx], [ky], [kz]]))
+    image_index = np.arange(len(images), dtype=np.min_scalar_type(len(images)))
+    image_index = np.repeat(image_index, [len(i) for i in ids])
+    return (
+        np.array(images, dtype=np.int64),
+        np.concatenate(ids),
+        image_index,
+        np.concatenate(points, axis=1),
+    )
+
+
+class _CellGrid:
+    """Points binned into a uniform grid of cells, for box queries.
+
+    Cells are about ``width`` wide per axis, wider where that would make more
+    cells than points or than ``MAX_CELLS``, so binning is ``O(M)`` and a
+    query reads the points inside its box plus about one cell's layer around
+    them.
+
+    Parameters
+    ----------
+    points : (3, M) float
+        One row per axis.
+    lo, hi : (3,) float
+        Box that holds every point and every query box.
+    width : (3,) float
+        Preferred cell width per axis.
+    """
+
+    # 16-bit cell keys make numpy's stable argsort an O(M) radix sort
+    MAX_CELLS = 2**16
+
+    def __init__(
+        self, points: np.ndarray, lo: np.ndarray, hi: np.ndarray, width: np.ndarray
+    ) -> None:
+        extent = hi - lo if points.shape[1] else np.zeros(3)
+        self.n = _cell_counts(extent, width, min(points.shape[1], self.MAX_CELLS))
+        self.origin = lo[:, None]
+        self.scale = np.divide(self.n, extent, out=np.zeros(3), where=extent > 0)[:, None]
+        cell = np.ravel_multi_index(self._cell_of(points), self.n)
+        self.order = np.argsort(cell.astype(np.uint16), kind="stable")
+        # stored in cell order, so a query reads contiguous runs
+        self.points = np.take(points, self.order, axis=1)
+        self.offsets = np.zeros(np.prod(self.n) + 1, dtype=np.int64)
+        np.cumsum(np.bincount(cell, minlength=np.prod(self.n)), out=self.offsets[1:])
+
+    def _cell_of(self, points: np.ndarray) -> np.ndarray:
+        # floor((x - origin) * scale) is monotone in x, so every point inside
+        # a query box falls in a cell between the cells of the box's corners
+        index = points - self.origin
+        index *= self.scale
+        np.floor(index, out=index)
+        np.clip(index, 0, self.n[:, None] - 1, out=index)
+        return index.astype(np.int64)
+
+    def query(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """Indices of the points inside the box ``[lo, hi]``, ascending."""
+        first, last = self._cell_of(np.stack([lo, hi], axis=1)).T
+        columns = np.arange(first[0], last[0] + 1)[:, None] * self.n[1]
+        columns = (columns + np.arange(first[1], last[1] + 1)).ravel() * self.n[2]
+        # along the last axis the cells of a column, and their points, are contiguous
+        starts = self.offsets[columns + first[2]]
+        lengths = self.offsets[columns + last[2] + 1] - starts
+        ends = np.cumsum(lengths)
+        steps = np.arange(ends[-1]) + np.repeat(starts - (ends - lengths), lengths)
+        points = np.take(self.points, steps, axis=1)
+        inside = np.ones(len(steps), dtype=bool)
+        for axis in range(3):
+            inside &= (points[axis] >= lo[axis]) & (points[axis] <= hi[axis])
+        return np.sort(self.order[steps[inside]])
+
+
+def _cell_counts(extent: np.ndarray, width: np.ndarray, limit: int) -> np.ndarray:
+    """Cells per axis: about ``width`` wide, at most ``max(limit, 1)`` in all."""
+    n = np.divide(extent, width, out=np.ones(3), where=width > 0)
+    n = np.maximum(np.floor(n), 1.0)
+    # Shrink the axes that still have several cells by a common factor;
+    # axes that hit one cell leave room to the others, so repeat (at most 3x).
+    while np.prod(n) > max(limit, 1):
+        split = n > 1
+        factor = (np.prod(n) / max(limit, 1)) ** (1 / split.sum())
+        n = np.where(split, np.maximum(np.floor(n / factor), 1.0), n)
+    return n.astype(np.int64)
 
 
 def _fold(

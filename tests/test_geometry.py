@@ -414,3 +414,106 @@ def test_rank_rows_empty_system() -> None:
     rows = rank_rows(coords, pbc, np.zeros(0, np.int64), 3, 2.0)
     assert [len(r.ids) for r in rows] == [0, 0, 0]
     assert [r.n_owned for r in rows] == [0, 0, 0]
+
+
+def _rows_by_brute_force(
+    coords: FrameCoordinates, pbc: np.ndarray, owners: np.ndarray, n_ranks: int, width: float
+) -> list[set[tuple[int, ...]]]:
+    """Every (id, shift) whose image lies in its rank's widened box, trying all images.
+
+    The box is the frame-coordinate bounding box of the rank's atoms widened
+    by ``width`` (Å on non-periodic axes, ``width`` over the plane spacing on
+    periodic ones); images are tried one cell beyond the farthest reach.
+    """
+    frac_width = np.where(pbc, width / coords.spacing, width)
+    reach = np.ceil(frac_width).astype(int) + 1
+    offsets = [range(-r, r + 1) if p else range(1) for r, p in zip(reach, pbc, strict=True)]
+    expected = []
+    for rank in range(n_ranks):
+        mine = coords.s[owners == rank]
+        found: set[tuple[int, ...]] = set()
+        if len(mine):
+            lo, hi = mine.min(axis=0) - frac_width, mine.max(axis=0) + frac_width
+            for image in itertools.product(*offsets):
+                points = coords.s + np.array(image)
+                hits = np.flatnonzero(np.all((points >= lo) & (points <= hi), axis=1))
+                shifts = coords.wrap_shift[hits] + np.array(image)
+                found.update((int(i), *map(int, n)) for i, n in zip(hits, shifts, strict=True))
+        expected.append(found)
+    return expected
+
+
+def _search_case(kind: str, pbc: np.ndarray, seed: int) -> tuple[FrameCoordinates, float]:
+    """Frame coordinates and halo width of one random system.
+
+    ``skewed``: strongly tilted cell; ``tiny``: cell axes shorter than the
+    halo, so atoms need several images; ``sparse``: few atoms far apart with a
+    thin halo (more ideal search cells than atoms); ``flat``: a sheet of zero
+    thickness along axis 2. Non-periodic cell vectors are zeroed for odd seeds.
+    """
+    rng = np.random.default_rng(seed)
+    if kind == "skewed":
+        cell = np.diag([6.0, 7.0, 8.0]) + rng.uniform(-0.6, 0.6, (3, 3)) * 7.0
+        positions, width = rng.uniform(-0.5, 1.5, (40, 3)) @ cell, 3.0
+    elif kind == "tiny":
+        cell = _triclinic(rng, rng.permutation([1.2, 2.0, 3.1]))
+        positions, width = rng.uniform(-1.0, 2.0, (12, 3)) @ cell, 4.5
+    elif kind == "sparse":
+        cell = _triclinic(rng, (60.0, 70.0, 80.0))
+        positions, width = rng.uniform(0.0, 1.0, (9, 3)) @ cell, 1.0
+    else:
+        cell = np.diag([20.0, 20.0, 20.0])
+        positions, width = rng.uniform(0.0, 20.0, (30, 3)) * [1.0, 1.0, 0.0], 2.0
+    if seed % 2:
+        cell[~pbc] = 0.0
+    return frame_coordinates(positions, cell, pbc), width
+
+
+def _owners(
+    coords: FrameCoordinates, pbc: np.ndarray, partition: str, n_ranks: int, width: float
+) -> np.ndarray:
+    """Owner ranks; ``random`` makes overlapping boxes and often empty ranks."""
+    n_atoms = len(coords.s)
+    if partition == "spatial":
+        return spatial_owners(coords, choose_grid(coords, pbc, n_ranks, width))
+    if partition == "contiguous":
+        return contiguous_owners(n_atoms, n_ranks)
+    if partition == "random":
+        return np.random.default_rng(n_ranks).integers(0, n_ranks, n_atoms)
+    # idle_root: rank 0 drives and owns nothing, as in notebook mode
+    return contiguous_owners(n_atoms, max(n_ranks - 1, 1)) + (n_ranks > 1)
+
+
+@pytest.mark.parametrize("kind", ["skewed", "tiny", "sparse", "flat"])
+@pytest.mark.parametrize("pbc", ALL_PBC)
+def test_rank_rows_match_brute_force(kind: str, pbc: tuple[bool, bool, bool]) -> None:
+    """Each rank's rows are exactly the images in its widened box, owned rows first."""
+    pbc = np.array(pbc)
+    for seed, (n_ranks, partition) in enumerate(
+        itertools.product(range(1, 5), ("spatial", "contiguous", "random", "idle_root"))
+    ):
+        coords, width = _search_case(kind, pbc, seed)
+        owners = _owners(coords, pbc, partition, n_ranks, width)
+        expected = _rows_by_brute_force(coords, pbc, owners, n_ranks, width)
+        for fold_foreign in (False, True):
+            rows = rank_rows(coords, pbc, owners, n_ranks, width, fold_foreign)
+            for rank, r in enumerate(rows):
+                keys = [(int(i), *map(int, n)) for i, n in zip(r.ids, r.image_shift, strict=True)]
+                assert len(set(keys)) == len(keys), "duplicate (id, shift) rows"
+                assert set(keys) == expected[rank], (seed, n_ranks, partition, rank)
+                owned = r.ids[: r.n_owned]
+                np.testing.assert_array_equal(np.sort(owned), np.flatnonzero(owners == rank))
+                np.testing.assert_array_equal(r.image_shift[: r.n_owned], coords.wrap_shift[owned])
+
+
+def test_rank_rows_many_atoms_thin_halo() -> None:
+    """More ideal search cells than the grid allows: rows still match brute force."""
+    rng = np.random.default_rng(13)
+    pbc = np.zeros(3, bool)
+    coords = frame_coordinates(rng.uniform(0.0, 60.0, (70_000, 3)), np.zeros((3, 3)), pbc)
+    owners = spatial_owners(coords, (3, 1, 1))
+    expected = _rows_by_brute_force(coords, pbc, owners, 3, 0.3)
+    for rank, r in enumerate(rank_rows(coords, pbc, owners, 3, 0.3)):
+        keys = {(int(i), *map(int, n)) for i, n in zip(r.ids, r.image_shift, strict=True)}
+        assert len(keys) == len(r.ids)
+        assert keys == expected[rank]
