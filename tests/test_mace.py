@@ -71,8 +71,15 @@ def make_mace(
     seed: int = 0,
     heads: list[str] | None = None,
     r_max: float = 4.5,
+    channels: int = 8,
+    max_ell: int = 1,
 ) -> torch.nn.Module:
-    """A random-weight MACE of the real architecture (hidden 8x0e+8x1o, max_L 1)."""
+    """A random-weight MACE of the real architecture.
+
+    Hidden irreps ``{channels}x0e + {channels}x1o`` and spherical harmonics up
+    to ``max_ell``; the tests use the small defaults, ``scripts/adapter_speed.py``
+    a realistic size.
+    """
     cls_name, first, later, extra = VARIANTS[variant]
     extra = dict(extra)
     n_heads = len(heads) if heads else 1
@@ -87,12 +94,12 @@ def make_mace(
         r_max=r_max,
         num_bessel=6,
         num_polynomial_cutoff=5,
-        max_ell=1,
+        max_ell=max_ell,
         interaction_cls=modules.interaction_classes[later],
         interaction_cls_first=modules.interaction_classes[first],
         num_interactions=2,
         num_elements=len(ELEMENTS),
-        hidden_irreps=o3.Irreps("8x0e+8x1o"),
+        hidden_irreps=o3.Irreps(f"{channels}x0e+{channels}x1o"),
         MLP_irreps=o3.Irreps("8x0e"),
         atomic_energies=atomic_energies,
         avg_num_neighbors=10.0,

@@ -37,8 +37,13 @@ F32_RTOL = {"energy": 1e-6, "energies": 5e-6, "forces": 5e-6, "stress": 5e-6}
 SPECIES = ["Ag", "Au", "Cu"]
 
 
-def tiny_sevennet(seed: int = 0, cutoff: float = 3.5, num_layers: int = 2):
-    """A random-weight SevenNet (real architecture, small widths) in float64."""
+def tiny_sevennet(seed: int = 0, cutoff: float = 3.5, num_layers: int = 2, channels: int = 8):
+    """A random-weight SevenNet (real architecture, ``lmax`` 2) in float64.
+
+    ``channels`` is the node feature multiplicity and the width of the radial
+    weight network; the tests use the small default, ``scripts/adapter_speed.py``
+    a realistic size.
+    """
     import sevenn._const as const
     import sevenn._keys as KEY
     import sevenn.util
@@ -49,11 +54,11 @@ def tiny_sevennet(seed: int = 0, cutoff: float = 3.5, num_layers: int = 2):
     config.update(
         {
             KEY.CUTOFF: cutoff,
-            KEY.NODE_FEATURE_MULTIPLICITY: 8,
+            KEY.NODE_FEATURE_MULTIPLICITY: channels,
             KEY.LMAX: 2,
             KEY.IS_PARITY: False,
             KEY.NUM_CONVOLUTION: num_layers,
-            KEY.CONVOLUTION_WEIGHT_NN_HIDDEN_NEURONS: [8, 8],
+            KEY.CONVOLUTION_WEIGHT_NN_HIDDEN_NEURONS: [channels, channels],
             KEY.CONV_DENOMINATOR: 8.0,
             KEY.USE_SPECIES_WISE_SHIFT_SCALE: True,
             KEY.SHIFT: [-2.5, -3.1, -3.7],  # eV per atom, per species (sorted symbols)

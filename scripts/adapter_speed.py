@@ -1,0 +1,340 @@
+"""Time each ML adapter on one rank against the package's own ASE calculator.
+
+For every family whose package is installed in the running environment
+(SevenNet, NequIP and Allegro in ``.venv``; MACE in ``.venv-mace``), the script
+builds a random-weight float64 model of a realistic size with the builders of
+the tests (``tests/test_<family>.py``), and a periodic fcc alloy of a few
+hundred atoms (and, with ``--systems bulk cluster``, a non-periodic
+icosahedral cluster). It then evaluates the same sequence of geometries with
+
+- ``own``: the package's calculator (``SevenNetCalculator``, ``MACECalculator``,
+  nequip's ``NequIPCalculator``), and
+- ``sharded``: ``ShardedCalculator(adapter, comm=MPI.COMM_SELF)`` (its default
+  halo),
+
+taking turns step by step (the order swaps every step), so that the changing
+load of a shared machine hits both alike. Every step moves each atom by a small
+random displacement from the starting geometry, so both recompute; the sharded
+calculator keeps its neighbour list within its skin (as in MD), the package
+calculators build theirs on every call. ``--rebuild`` makes the sharded
+calculator rebuild its decomposition and neighbour list on every call instead.
+Both run with one torch thread. Each step's energies and forces are compared,
+and the script exits with status 1 if any relative difference (max abs
+difference over max abs value) exceeds ``--rtol``::
+
+    OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python scripts/adapter_speed.py
+    OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv-mace/bin/python scripts/adapter_speed.py \\
+        --json mace.json
+
+Prints a Markdown table: the median wall time per evaluation of each
+calculator; the median over steps of the ratio sharded / own of the two
+evaluations of a step, in wall time and in CPU time (process time, less
+sensitive than wall time to other jobs on a shared machine); and the worst
+energy and force differences over all steps. ``--json`` also writes every
+step's times.
+"""
+
+from __future__ import annotations
+
+import ase_shard  # first: initialises MPI before ASE touches ase.parallel.world
+
+# isort: split
+
+import argparse
+import gc
+import importlib.util
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+from ase import Atoms
+from ase.build import bulk
+from ase.calculators.calculator import Calculator
+from ase.cluster import Icosahedron
+
+from ase_shard import ShardedCalculator
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from oracles import rel_err  # noqa: E402
+
+# what each family needs installed, and the elements its test builder knows
+REQUIRES = {
+    "sevennet": ("sevenn",),
+    "nequip": ("nequip",),
+    "allegro": ("nequip", "allegro"),
+    "mace": ("mace",),
+}
+ELEMENTS = {
+    "sevennet": (29, 47, 79),
+    "nequip": (29, 47, 79),
+    "allegro": (29, 47, 79),
+    "mace": (29, 13, 47),
+}
+
+
+@dataclass
+class Subjects:
+    """One family's two calculators on the same weights."""
+
+    description: str
+    own: Calculator
+    adapter: torch.nn.Module
+
+
+def _sevennet(workdir: Path) -> Subjects:
+    from test_sevenn import reference_calculator, tiny_sevennet
+
+    from ase_shard.models.sevenn import SevenNet
+
+    network = tiny_sevennet(cutoff=4.5, num_layers=3, channels=32)
+    return Subjects(
+        "SevenNet, 3 layers, 32 channels, lmax 2, cutoff 4.5 Å",
+        reference_calculator(network),
+        SevenNet(network),
+    )
+
+
+def _mace(workdir: Path) -> Subjects:
+    from mace.calculators import MACECalculator
+    from test_mace import make_mace, save_model
+
+    from ase_shard.models.mace import MACE
+
+    network = make_mace("scale_shift", r_max=4.5, channels=64, max_ell=2)
+    path = save_model(network, workdir / "mace.model")
+    own = MACECalculator(model_paths=path, device="cpu", default_dtype="float64")
+    return Subjects(
+        "ScaleShiftMACE, 2 layers, 64x0e+64x1o, max_ell 2, correlation 3, r_max 4.5 Å",
+        own,
+        MACE(network),
+    )
+
+
+def _nequip_family(kind: str, workdir: Path) -> Subjects:
+    from test_nequip import BUILDERS, nequip_calculator
+
+    build, adapter = BUILDERS[kind]
+    if kind == "nequip":
+        size = {"num_layers": 3, "num_features": 32, "l_max": 2, "radial_mlp_width": 64}
+        description = "NequIP, 3 layers, 32 features, l_max 2, r_max 4.5 Å"
+    else:
+        size = {
+            "num_layers": 2,
+            "l_max": 2,
+            "num_scalar_features": 32,
+            "num_tensor_features": 16,
+            "allegro_mlp_hidden_layers_width": 64,
+            "readout_mlp_hidden_layers_width": 32,
+        }
+        description = "Allegro, 2 layers, 32 scalar / 16 tensor features, l_max 2, r_max 4.5 Å"
+    # two builds with the same seed: the same weights, as in tests/test_nequip.py
+    return Subjects(
+        description,
+        nequip_calculator(build(r_max=4.5, **size)),
+        adapter(build(r_max=4.5, **size)),
+    )
+
+
+FAMILIES: dict[str, Callable[[Path], Subjects]] = {
+    "sevennet": _sevennet,
+    "nequip": partial(_nequip_family, "nequip"),
+    "allegro": partial(_nequip_family, "allegro"),
+    "mace": _mace,
+}
+
+
+def _alloy(atoms: Atoms, elements: tuple[int, ...], seed: int) -> Atoms:
+    """``atoms`` with 60/25/15 % of ``elements``, rattled by 0.1 Å."""
+    rng = np.random.default_rng(seed)
+    atoms.numbers = rng.choice(elements, len(atoms), p=[0.6, 0.25, 0.15])
+    atoms.rattle(stdev=0.1, seed=seed)
+    return atoms
+
+
+def make_system(name: str, elements: tuple[int, ...]) -> Atoms:
+    """``bulk``: 256-atom periodic fcc alloy (4x4x4 cubic cells, a = 3.8 Å);
+    ``cluster``: 309-atom icosahedron, no cell."""
+    if name == "bulk":
+        atoms = bulk("Cu", "fcc", a=3.8, cubic=True).repeat(4)
+    else:
+        atoms = Icosahedron("Cu", noshells=5, latticeconstant=3.8)
+        atoms.cell = np.zeros((3, 3))
+        atoms.pbc = False
+    return _alloy(atoms, elements, seed=1)
+
+
+def available(family: str) -> bool:
+    """Whether the packages ``family`` needs are importable here."""
+    return all(importlib.util.find_spec(name) is not None for name in REQUIRES[family])
+
+
+def _serial_comm():
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi.COMM_SELF if mpi is not None else None
+
+
+def _evaluate(atoms: Atoms, positions: np.ndarray, before=None) -> tuple[float, float, dict]:
+    """Wall and CPU seconds of one energy + forces (+ stress) evaluation, and its results."""
+    atoms.positions = positions
+    if before is not None:
+        before()
+    gc.collect()
+    wall, cpu = time.perf_counter(), time.process_time()
+    forces = atoms.get_forces()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return wall, cpu, {"energy": np.asarray(atoms.get_potential_energy()), "forces": forces}
+
+
+def measure(
+    family: str,
+    system: str,
+    subjects: Subjects,
+    *,
+    steps: int,
+    warmup: int,
+    amplitude: float,
+    rebuild: bool,
+    seed: int = 0,
+) -> dict:
+    """Time ``own`` and ``sharded`` in turns on the same geometries."""
+    start = make_system(system, ELEMENTS[family])
+    own, sharded = start.copy(), start.copy()
+    own.calc = subjects.own
+    sharded.calc = ShardedCalculator(subjects.adapter, comm=_serial_comm())
+    before = sharded.calc.request_rebuild if rebuild else None
+    rng = np.random.default_rng(seed)
+    times: dict[str, list[float]] = {"own": [], "sharded": []}
+    cpu_times: dict[str, list[float]] = {"own": [], "sharded": []}
+    errors = {"energy": 0.0, "forces": 0.0}
+    for step in range(warmup + steps):
+        positions = start.positions + rng.normal(0.0, amplitude, start.positions.shape)
+        turns = [("own", own, None), ("sharded", sharded, before)]
+        out = {}
+        for name, atoms, hook in turns if step % 2 == 0 else turns[::-1]:
+            wall, cpu, out[name] = _evaluate(atoms, positions, hook)
+            if step >= warmup:
+                times[name].append(wall)
+                cpu_times[name].append(cpu)
+        for key in errors:
+            errors[key] = max(errors[key], rel_err(out["sharded"][key], out["own"][key]))
+    median = {name: float(np.median(values)) for name, values in times.items()}
+    median_cpu = {name: float(np.median(values)) for name, values in cpu_times.items()}
+    ratios = np.divide(times["sharded"], times["own"])
+    cpu_ratios = np.divide(cpu_times["sharded"], cpu_times["own"])
+    return {
+        "family": family,
+        "model": subjects.description,
+        "system": system,
+        "atoms": len(start),
+        "halo": sharded.calc.parameters["halo"],
+        "rebuilds": sharded.calc.rebuilds,
+        "steps": steps,
+        "times_s": times,
+        "cpu_times_s": cpu_times,
+        "median_ms": {name: 1e3 * value for name, value in median.items()},
+        "median_cpu_ms": {name: 1e3 * value for name, value in median_cpu.items()},
+        "ratio": float(np.median(ratios)),
+        "cpu_ratio": float(np.median(cpu_ratios)),
+        "max_rel_diff": errors,
+    }
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown table of the measurements."""
+    lines = [
+        "| family | system | atoms | own (ms) | sharded (ms) | sharded / own "
+        "| CPU time sharded / own | max rel. diff. E | max rel. diff. F |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        ms = row["median_ms"]
+        diff = row["max_rel_diff"]
+        lines.append(
+            f"| {row['family']} | {row['system']} | {row['atoms']} | {ms['own']:.0f} "
+            f"| {ms['sharded']:.0f} | {row['ratio']:.2f} | {row['cpu_ratio']:.2f} "
+            f"| {diff['energy']:.1e} | {diff['forces']:.1e} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--families",
+        nargs="+",
+        choices=sorted(FAMILIES),
+        help="default: every family installed here",
+    )
+    parser.add_argument("--systems", nargs="+", choices=["bulk", "cluster"], default=["bulk"])
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per calculator")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument(
+        "--amplitude", type=float, default=0.02, help="displacement stdev per step (Å)"
+    )
+    parser.add_argument(
+        "--rebuild", action="store_true", help="sharded: rebuild the decomposition every call"
+    )
+    parser.add_argument("--rtol", type=float, default=1e-10, help="agreement required")
+    parser.add_argument("--json", help="write the measurements (per-step times too) here")
+    args = parser.parse_args(argv)
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download weights
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")  # the packages' deprecation and accelerator notices
+    families = args.families or [f for f in FAMILIES if available(f)]
+    load = {"start": os.getloadavg()[0]}
+    rows = []
+    with tempfile.TemporaryDirectory() as workdir:
+        for family in families:
+            subjects = FAMILIES[family](Path(workdir))
+            print(f"{family}: {subjects.description}", flush=True)
+            for system in args.systems:
+                row = measure(
+                    family,
+                    system,
+                    subjects,
+                    steps=args.steps,
+                    warmup=args.warmup,
+                    amplitude=args.amplitude,
+                    rebuild=args.rebuild,
+                )
+                rows.append(row)
+                print(format_table([row]).splitlines()[-1], flush=True)
+    load["end"] = os.getloadavg()[0]
+    print(f"\nload average (1 min) at start {load['start']:.1f}, at end {load['end']:.1f}")
+    print(format_table(rows))
+    failed = [
+        f"{row['family']}/{row['system']}"
+        for row in rows
+        if max(row["max_rel_diff"].values()) > args.rtol
+    ]
+    if failed:
+        print(f"results differ by more than {args.rtol:g}: {', '.join(failed)}")
+    if args.json:
+        report = {
+            "torch": torch.__version__,
+            "ase_shard": ase_shard.__version__,
+            "python": platform.python_version(),
+            "threads": torch.get_num_threads(),
+            "load_average": load,
+            "rebuild_every_call": args.rebuild,
+            "amplitude": args.amplitude,
+            "rows": rows,
+        }
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
