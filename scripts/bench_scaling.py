@@ -155,6 +155,7 @@ def plot(reports: list[dict], path: Path, title: str) -> None:
     left.plot(all_ranks, all_ranks, "k:", label="ideal")
     right.axhline(1.0, color="k", linestyle=":")
     colors = plt.get_cmap("viridis")
+    top = 0.0  # the largest efficiency drawn
     for k, (n_atoms, runs) in enumerate(sorted(by_size.items())):
         runs = sorted(runs, key=lambda r: r["ranks"])
         color = colors(k / max(len(by_size) - 1, 1))
@@ -167,6 +168,7 @@ def plot(reports: list[dict], path: Path, title: str) -> None:
         left.plot(ranks, ceiling, "x", color=color, markersize=9)
         right.plot(ranks, speedup / ranks, "o-", color=color)
         right.plot(ranks, ceiling / ranks, "x", color=color)
+        top = max(top, np.nanmax(speedup / ranks), np.nanmax(ceiling / ranks))
     left.plot([], [], "ks--", alpha=0.6, label="vs bare model")
     left.plot([], [], "kx", label="machine ceiling")
     left.set_xlabel("ranks (1 thread each)")
@@ -176,7 +178,7 @@ def plot(reports: list[dict], path: Path, title: str) -> None:
     right.set_xlabel("ranks")
     right.set_ylabel("parallel efficiency (speed-up / ranks)")
     right.set_xticks(all_ranks)
-    right.set_ylim(0, 1.2)
+    right.set_ylim(0, max(1.2, 1.1 * top))
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
