@@ -640,6 +640,7 @@ class Ceiling:
         self.split.append(max(comm.allgather(time.perf_counter() - start)))
 
     def result(self) -> dict:
+        """Iterations, the samples, their medians and ``speedup`` (median of ratios)."""
         serial, split = np.array(self.serial), np.array(self.split)
         return {
             "iterations": self.iterations,
