@@ -441,25 +441,12 @@ def _on_root(comm: Comm, compute: Callable[[], Any]) -> Any:
             value = compute()
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
-    _idle_barrier(comm)
+    # waiting ranks sleep: spinning would take CPU from rank 0's timings
+    comm.rendezvous(None, "finish rank 0's measurement")
     error = comm.bcast(error)
     if error is not None:
         raise RuntimeError(f"rank 0 failed while the other ranks waited: {error}")
     return value
-
-
-def _idle_barrier(comm: Comm) -> None:
-    """A barrier in which waiting ranks sleep rather than spin.
-
-    MPI's blocking collectives busy-poll: ranks waiting for rank 0 would take
-    CPU time from it (and from the machine's other jobs) and bias every
-    rank-0-alone timing; a polled non-blocking barrier leaves the cores idle.
-    """
-    if comm.mpi is None:
-        return
-    request = comm.mpi.Ibarrier()
-    while not request.Test():
-        time.sleep(0.001)
 
 
 @dataclass
@@ -585,11 +572,6 @@ def _layout(calc: ShardedCalculator) -> list[list[int]] | None:
     return None if counts is None else [[int(n) for n in c] for c in counts]
 
 
-def _one_rank_comm(comm: Comm) -> Any:
-    """A communicator holding only this rank (collective over ``comm``); ``None`` serially."""
-    return None if comm.mpi is None else comm.mpi.Split(comm.rank, 0)
-
-
 def _spin(iterations: int) -> None:
     """The ceiling's fixed single-thread work: ``iterations`` of tanh(x @ w)."""
     x = torch.full(_CEILING_SHAPE, 0.5, dtype=torch.float64)
@@ -700,7 +682,7 @@ def run_benchmark(
     entries = [_Entry("sharded", _ShardedSubject(calc, atoms.copy()), everyone=True)]
     alone = None
     if comm.size > 1 and settings.serial_reference:
-        alone = _one_rank_comm(comm)
+        alone = comm.split_self()
 
         def sharded_alone() -> _ShardedSubject:
             one = ShardedCalculator(model, skin=settings.skin, dtype=dtype, comm=alone, **options)

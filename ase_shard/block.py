@@ -191,13 +191,16 @@ class LocalBlock:
             edge_virial = 0.25 * (
                 d[:, _VOIGT_A] * grad[:, _VOIGT_B] + d[:, _VOIGT_B] * grad[:, _VOIGT_A]
             )
-            rows = torch.zeros(
-                (self.n_nodes, RESULT_COLUMNS), dtype=torch.float64, device=self.device
+            # d = r_j - r_i, so dE/dr_j = g and dE/dr_i = -g; force is -dE/dr.
+            # A contiguous accumulator and index_put_ are several times faster
+            # than index_add_ into the strided columns of the result rows.
+            summed = torch.zeros(
+                (self.n_nodes, RESULT_COLUMNS - 1), dtype=torch.float64, device=self.device
             )
+            summed.index_put_((i,), torch.cat([grad, edge_virial], dim=1), accumulate=True)
+            summed.index_put_((j,), torch.cat([-grad, edge_virial], dim=1), accumulate=True)
+            rows = torch.cat([torch.zeros_like(summed[:, :1]), summed], dim=1)
             rows[: self.n_owned, 0] = owned_energy.detach().to(torch.float64)
-            # d = r_j - r_i, so dE/dr_j = g and dE/dr_i = -g; force is -dE/dr
-            rows[:, 1:].index_add_(0, i, torch.cat([grad, edge_virial], dim=1))
-            rows[:, 1:].index_add_(0, j, torch.cat([-grad, edge_virial], dim=1))
         return rows
 
     def _tensors(self, values: dict | None, dtype) -> dict[str, torch.Tensor]:

@@ -152,8 +152,10 @@ class Comm:
     def rendezvous(self, timeout: float | None, waiting_for: str) -> None:
         """Barrier that ends the MPI job if the other ranks do not arrive in time.
 
-        A collective that some ranks never enter (their ``Atoms`` diverged, one
-        of them is stuck) would otherwise wait forever. After ``timeout``
+        Waiting ranks sleep between polls instead of spinning in MPI, so they
+        leave the cores to the ranks still working. A collective that some
+        ranks never enter (their ``Atoms`` diverged, one of them is stuck)
+        would otherwise wait forever. After ``timeout``
         seconds (``None``: wait forever) this rank prints what it was waiting
         for and calls ``MPI_Abort``, so the job ends non-zero.
         """
@@ -172,6 +174,13 @@ class Comm:
                 self.mpi.Abort(1)
             time.sleep(pause)
             pause = min(2.0 * pause, 1e-3)  # quick when they are close, cheap when not
+
+    def split_self(self) -> Any:
+        """A new communicator holding only this rank (collective); ``None`` serially.
+
+        The caller frees it (``.Free()``).
+        """
+        return None if self.mpi is None else self.mpi.Split(self.rank, 0)
 
     def any(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on any rank."""
