@@ -41,6 +41,10 @@ _SKIPPED_MODULES = frozenset(
 )
 
 
+# node-level entries of SevenNet's data dict (sevenn._keys)
+_NODE_KEYS = ("x", "node_attr", "atom_type", "atomic_numbers", "self_cont_tmp")
+
+
 def _cast_outputs(module: torch.nn.Module, data: dict, dtype: torch.dtype) -> None:
     """Cast the floating outputs of a sevenn ``OnehotEmbedding`` to ``dtype`` in ``data``."""
     for key in (module.key_output, getattr(module, "key_additional_output", None)):
@@ -211,4 +215,11 @@ class SevenNet(torch.nn.Module):
             if type(module).__name__ == "OnehotEmbedding":
                 # sevenn's one-hot embedding always returns float32; follow the model's dtype
                 _cast_outputs(module, data, graph.edge_vectors.dtype)
-        return data[KEY.ATOMIC_ENERGY].reshape(-1)
+            if graph.exchange is not None and "Convolution" in type(module).__name__:
+                # per-layer halo: ghosts need no node-wise work, the next exchange
+                # refreshes them; from here on node tensors hold the owned atoms only
+                for key in _NODE_KEYS:
+                    if key in data:
+                        data[key] = data[key][: graph.n_owned]
+        energies = data[KEY.ATOMIC_ENERGY].reshape(-1)
+        return torch.cat([energies, energies.new_zeros(graph.n_atoms - energies.shape[0])])
