@@ -188,6 +188,43 @@ class BareModel:
 # ----------------------------------------------------------------------- random ML models
 
 
+def random_sevennet_network(
+    symbols: Sequence[str],
+    *,
+    cutoff: float,
+    channels: int,
+    num_layers: int,
+    seed: int = 0,
+    config: dict | None = None,
+) -> torch.nn.Module:
+    """A random-weight SevenNet ``AtomGraphSequential`` (``lmax`` 2), as built (float32).
+
+    ``symbols`` in sorted order; ``config`` overrides entries of sevenn's default
+    model configuration (keys from ``sevenn._keys``). Needs the ``sevenn``
+    package; the same ``seed`` gives the same weights on every rank.
+    """
+    import sevenn._const as const
+    import sevenn._keys as KEY
+    import sevenn.util
+    from sevenn.model_build import build_E3_equivariant_model
+
+    settings = copy.deepcopy(const.DEFAULT_E3_EQUIVARIANT_MODEL_CONFIG)
+    settings.update(sevenn.util.chemical_species_preprocess(list(symbols)))
+    settings.update(
+        {
+            KEY.CUTOFF: cutoff,
+            KEY.NODE_FEATURE_MULTIPLICITY: channels,
+            KEY.LMAX: 2,
+            KEY.IS_PARITY: False,
+            KEY.NUM_CONVOLUTION: num_layers,
+            KEY.USE_SPECIES_WISE_SHIFT_SCALE: True,
+            **(config or {}),
+        }
+    )
+    torch.manual_seed(seed)
+    return build_E3_equivariant_model(settings)
+
+
 def random_sevennet(
     numbers: Sequence[int],
     *,
@@ -196,36 +233,25 @@ def random_sevennet(
     num_layers: int = 3,
     seed: int = 0,
 ) -> torch.nn.Module:
-    """A random-weight SevenNet of the real architecture (``lmax`` 2), float64.
-
-    Needs the ``sevenn`` package. The same ``seed`` gives the same weights on
-    every rank.
-    """
-    import sevenn._const as const
+    """A random-weight SevenNet adapter of the real architecture (``lmax`` 2), float64."""
     import sevenn._keys as KEY
-    import sevenn.util
-    from sevenn.model_build import build_E3_equivariant_model
 
     from ase_shard.models.sevenn import SevenNet
 
     symbols = sorted(chemical_symbols[z] for z in np.unique(numbers))
-    config = copy.deepcopy(const.DEFAULT_E3_EQUIVARIANT_MODEL_CONFIG)
-    config.update(sevenn.util.chemical_species_preprocess(symbols))
-    config.update(
-        {
-            KEY.CUTOFF: cutoff,
-            KEY.NODE_FEATURE_MULTIPLICITY: channels,
-            KEY.LMAX: 2,
-            KEY.IS_PARITY: False,
-            KEY.NUM_CONVOLUTION: num_layers,
+    network = random_sevennet_network(
+        symbols,
+        cutoff=cutoff,
+        channels=channels,
+        num_layers=num_layers,
+        seed=seed,
+        config={
             KEY.CONV_DENOMINATOR: 30.0,
-            KEY.USE_SPECIES_WISE_SHIFT_SCALE: True,
             KEY.SHIFT: [-3.0] * len(symbols),  # eV per atom
             KEY.SCALE: [1.0] * len(symbols),
-        }
+        },
     )
-    torch.manual_seed(seed)
-    return SevenNet(build_E3_equivariant_model(config).double())
+    return SevenNet(network.double())
 
 
 def random_mace(

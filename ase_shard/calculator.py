@@ -215,7 +215,7 @@ class ShardedCalculator(Calculator):
         """
         if self._root_state is None:
             return None
-        return [(r.ids.shape[0], r.n_owned, r.n_nodes) for r in self._root_state["layout"]]
+        return [tuple(counts[:3]) for counts in self._root_state["counts"]]
 
     def request_rebuild(self) -> None:
         """Rebuild the decomposition at the next calculation (call on every rank)."""
@@ -419,8 +419,8 @@ class ShardedCalculator(Calculator):
                 error = describe(exc, 0)
         mine = None
         if comm.size > 1 and not self._driven:
-            inputs = self.inputs.digest(atoms, self.parameters) if self.inputs else None
-            mine = (fingerprint(atoms), inputs)
+            # the inputs' digest was taken in calculate()
+            mine = (fingerprint(atoms), self._inputs_digest)
         views = comm.allgather((mine, error, plan))
         root_print, root_error, plan = views[0]
         if root_error is not None:

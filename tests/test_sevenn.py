@@ -9,7 +9,6 @@ to float32 round-off, asserted with ``F32_RTOL``.
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 import warnings
 
@@ -44,29 +43,23 @@ def tiny_sevennet(seed: int = 0, cutoff: float = 3.5, num_layers: int = 2, chann
     weight network; the tests use the small default, ``scripts/adapter_speed.py``
     a realistic size.
     """
-    import sevenn._const as const
     import sevenn._keys as KEY
-    import sevenn.util
-    from sevenn.model_build import build_E3_equivariant_model
 
-    config = copy.deepcopy(const.DEFAULT_E3_EQUIVARIANT_MODEL_CONFIG)
-    config.update(sevenn.util.chemical_species_preprocess(SPECIES))
-    config.update(
-        {
-            KEY.CUTOFF: cutoff,
-            KEY.NODE_FEATURE_MULTIPLICITY: channels,
-            KEY.LMAX: 2,
-            KEY.IS_PARITY: False,
-            KEY.NUM_CONVOLUTION: num_layers,
+    from ase_shard.bench import random_sevennet_network
+
+    model = random_sevennet_network(
+        SPECIES,
+        cutoff=cutoff,
+        channels=channels,
+        num_layers=num_layers,
+        seed=seed,
+        config={
             KEY.CONVOLUTION_WEIGHT_NN_HIDDEN_NEURONS: [channels, channels],
             KEY.CONV_DENOMINATOR: 8.0,
-            KEY.USE_SPECIES_WISE_SHIFT_SCALE: True,
             KEY.SHIFT: [-2.5, -3.1, -3.7],  # eV per atom, per species (sorted symbols)
             KEY.SCALE: [1.3, 0.7, 1.9],
-        }
+        },
     )
-    torch.manual_seed(seed)
-    model = build_E3_equivariant_model(config)
     with torch.no_grad():  # random, not zero, shift/scale and denominator
         for param in model.parameters():
             if param.numel() and param.dim() == 1 and param.numel() <= 3:
