@@ -62,12 +62,12 @@ class HaloExchange:
         self.handle = next(_HANDLES) if handle is None else int(handle)
         _EXCHANGES[self.handle] = self
         self.comm = comm
-        self.n_owned = int(n_owned)
         self.send_index = torch.as_tensor(send_index, dtype=torch.int64, device=device)
         self.send_counts = np.asarray(send_counts, dtype=np.int64)
         self.recv_counts = np.asarray(recv_counts, dtype=np.int64)
+        self.n_ghosts = int(self.recv_counts.sum())
         self.token: torch.Tensor | None = None
-        self.pad(self.n_owned, int(self.recv_counts.sum()))
+        self.pad(n_owned, self.n_ghosts)
 
     def pad(self, owned_rows: int, ghost_rows: int) -> None:
         """Lay features out as ``owned_rows`` owned then ``ghost_rows`` ghost rows.
@@ -90,9 +90,13 @@ class HaloExchange:
             )
         return halo_exchange(owned, self.token, self.handle)
 
-    def vote(self, failed: bool = False) -> None:
-        """Status vote; raises :class:`PeerFailure` if another rank failed."""
-        if self.comm.any(failed) and not failed:
+    def vote(self) -> None:
+        """Status vote; raises :class:`PeerFailure` if another rank failed.
+
+        A failed rank casts its one "failed" vote from the calculator
+        (``comm.any(True)``) instead of joining further exchanges.
+        """
+        if self.comm.any(False):
             raise PeerFailure("another rank failed during the halo exchange")
 
     def _move(self, rows: torch.Tensor, send_counts, recv_counts) -> torch.Tensor:
@@ -109,8 +113,7 @@ class HaloExchange:
 
     def sum_into_owners(self, grad: torch.Tensor) -> torch.Tensor:
         self.vote()
-        n_ghosts = int(self.recv_counts.sum())
-        ghosts = grad[self.owned_rows : self.owned_rows + n_ghosts]
+        ghosts = grad[self.owned_rows : self.owned_rows + self.n_ghosts]
         back = self._move(ghosts, self.recv_counts, self.send_counts)
         return grad[: self.owned_rows].index_add(0, self.send_index, back)
 
