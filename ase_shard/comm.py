@@ -16,6 +16,17 @@ from typing import Any
 
 import numpy as np
 
+# Open MPI refuses to start ranks as root without these (containers, CI runners).
+ALLOW_RUN_AS_ROOT = {
+    name: "1"
+    for name in (
+        "OMPI_ALLOW_RUN_AS_ROOT",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM",
+        "PRTE_ALLOW_RUN_AS_ROOT",
+        "PRTE_ALLOW_RUN_AS_ROOT_CONFIRM",
+    )
+}
+
 # Variables that MPI launchers (Open MPI, MPICH/Hydra, PMIx, Slurm's PMI) set.
 _LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 

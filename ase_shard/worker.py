@@ -22,14 +22,7 @@ from typing import Any
 import torch
 
 from ase_shard.calculator import ShardedCalculator
-from ase_shard.comm import CALCULATE, describe, rebuild
-
-_ROOT_VARIABLES = (
-    "OMPI_ALLOW_RUN_AS_ROOT",
-    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM",
-    "PRTE_ALLOW_RUN_AS_ROOT",
-    "PRTE_ALLOW_RUN_AS_ROOT_CONFIRM",
-)
+from ase_shard.comm import ALLOW_RUN_AS_ROOT, CALCULATE, describe, rebuild
 
 
 def serve(model: torch.nn.Module, **kwargs: Any) -> ShardedCalculator | None:
@@ -151,8 +144,8 @@ def _prepare_spawn_environment() -> None:
     if shutil.which("prte") is None and (bin_dir / "prte").exists():
         os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
     if hasattr(os, "geteuid") and os.geteuid() == 0:
-        for name in _ROOT_VARIABLES:
-            os.environ.setdefault(name, "1")
+        for name, value in ALLOW_RUN_AS_ROOT.items():
+            os.environ.setdefault(name, value)
 
 
 def worker_main() -> None:

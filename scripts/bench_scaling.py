@@ -28,14 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ase_shard.comm import ALLOW_RUN_AS_ROOT
+
 BIN = Path(sys.executable).parent
-ENV = {
-    "OMPI_ALLOW_RUN_AS_ROOT": "1",
-    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-    "PRTE_ALLOW_RUN_AS_ROOT": "1",
-    "PRTE_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-    "HF_HUB_OFFLINE": "1",
-}
+ENV = {**ALLOW_RUN_AS_ROOT, "HF_HUB_OFFLINE": "1"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

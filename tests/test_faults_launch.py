@@ -21,19 +21,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ase_shard.comm import Comm
+from ase_shard.comm import ALLOW_RUN_AS_ROOT, Comm
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).parent / "fault_scripts"
 BIN = Path(sys.executable).parent
-ENV = {
-    **os.environ,
-    "OMPI_ALLOW_RUN_AS_ROOT": "1",
-    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-    "PRTE_ALLOW_RUN_AS_ROOT": "1",
-    "PRTE_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-    "OMP_NUM_THREADS": "1",
-}
+ENV = {**os.environ, **ALLOW_RUN_AS_ROOT, "OMP_NUM_THREADS": "1"}
 RANKS = 2
 # a job must end this soon after the fault (a hang runs into the timeout instead);
 # measured 0.3-5 s on a loaded 2-core machine
