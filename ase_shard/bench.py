@@ -1041,7 +1041,7 @@ def format_summary(report: dict) -> str:
 
 
 def plot_report(report: dict, path: str) -> None:
-    """Write a PNG: step times with speed-ups (left) and the phase breakdown (right)."""
+    """Write a PNG: step times with speed-ups, peak memory per rank and the phase breakdown."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1049,8 +1049,8 @@ def plot_report(report: dict, path: str) -> None:
 
     results, size, ratios = report["results"], report["ranks"], report["ratios"]
     rows = breakdown_rows(report)
-    fig, (left, right) = plt.subplots(
-        1, 2, figsize=(13, 1.8 + 0.35 * len(rows)), gridspec_kw={"width_ratios": [1, 1.6]}
+    fig, (left, middle, right) = plt.subplots(
+        1, 3, figsize=(17, 1.8 + 0.35 * len(rows)), gridspec_kw={"width_ratios": [1, 1, 1.6]}
     )
     names = [name for name in ("bare", "sharded_1", "sharded", "ase") if name in results]
     x = np.arange(len(names))
@@ -1064,6 +1064,22 @@ def plot_report(report: dict, path: str) -> None:
         title += f", speed-up {ratios['reuse']['speedup']:.2f}x (reuse)"
     left.set_title(title, fontsize=10)
     left.legend(fontsize=8)
+
+    for offset, (field, label) in (
+        (-0.2, ("peak_rss_mb", "peak RSS")),
+        (0.2, ("peak_rss_delta_mb", "first call")),
+    ):
+        peaks = [max((m[field] or 0.0) for m in results[n]["memory"]) for n in names]
+        middle.bar(x + offset, peaks, width=0.4, label=label)
+    middle.set_xticks(x, [_label(n, size).replace(", ", "\n") for n in names], fontsize=8)
+    middle.set_ylabel("MiB, largest rank")
+    if "rss_ratio" in ratios:
+        middle.set_title(
+            f"memory per rank / 1 rank: RSS {ratios['rss_ratio']:.2f}, "
+            f"first call {ratios['memory_ratio']:.2f}",
+            fontsize=10,
+        )
+    middle.legend(fontsize=8)
 
     y = np.arange(len(rows))[::-1]
     start = np.zeros(len(rows))
