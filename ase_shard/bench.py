@@ -304,9 +304,51 @@ def random_mace(
     return MACE(network)
 
 
+def random_nequip(
+    numbers: Sequence[int],
+    *,
+    cutoff: float = 5.0,
+    channels: int = 32,
+    num_layers: int = 3,
+    seed: int = 0,
+) -> torch.nn.Module:
+    """A random-weight NequIP adapter of the real architecture (``l_max`` 1), float64.
+
+    Needs the ``nequip`` package. nequip builds under its global state (float64
+    default dtype); the previous default dtype is restored afterwards (the
+    model's numerics do not depend on it).
+    """
+    from nequip.model import NequIPGNNModel
+    from nequip.utils.global_state import set_global_state
+
+    from ase_shard.models.nequip import NequIP
+
+    symbols = sorted(chemical_symbols[z] for z in np.unique(numbers))
+    previous = torch.get_default_dtype()
+    set_global_state()
+    try:
+        network = NequIPGNNModel(
+            seed=seed,
+            model_dtype="float64",
+            type_names=symbols,
+            r_max=cutoff,
+            avg_num_neighbors=20.0,
+            per_type_energy_shifts=dict.fromkeys(symbols, -3.0),  # eV per atom
+            per_type_energy_scales=dict.fromkeys(symbols, 1.0),
+            num_layers=num_layers,
+            l_max=1,
+            num_features=channels,
+            radial_mlp_width=32,
+        )
+    finally:
+        torch.set_default_dtype(previous)
+    return NequIP(network.eval())
+
+
 ML_MODELS: dict[str, Callable[..., torch.nn.Module]] = {
     "sevennet": random_sevennet,
     "mace": random_mace,
+    "nequip": random_nequip,
 }
 
 

@@ -447,13 +447,15 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument(
         "--model",
         choices=[*MODELS, *ML_MODELS],
-        help="potential (default: the system's); sevennet and mace are random-weight models "
-        "of the real architectures (packages sevenn / mace-torch)",
+        help="potential (default: the system's); sevennet, mace and nequip are random-weight "
+        "models of the real architectures (packages sevenn / mace-torch / nequip)",
     )
     bench.add_argument("--dtype", choices=("float64", "float32"), help="default: the model's")
-    bench.add_argument("--ml-cutoff", type=float, default=5.0, help="sevennet/mace, Å (5)")
-    bench.add_argument("--ml-channels", type=int, default=32, help="sevennet/mace width (32)")
-    bench.add_argument("--ml-layers", type=int, help="sevennet/mace interaction layers (3 / 2)")
+    bench.add_argument("--ml-cutoff", type=float, default=5.0, help="ML models, Å (5)")
+    bench.add_argument("--ml-channels", type=int, default=32, help="ML models' width (32)")
+    bench.add_argument(
+        "--ml-layers", type=int, help="ML interaction layers (sevennet 3, mace 2, nequip 3)"
+    )
     bench.add_argument("--reuse-steps", type=int, default=5, help="timed reuse steps (5)")
     bench.add_argument("--rebuild-steps", type=int, default=3, help="timed rebuild steps (3)")
     bench.add_argument("--skin", type=float, default=0.5, help="neighbour skin, Å (0.5)")

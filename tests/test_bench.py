@@ -148,11 +148,12 @@ def test_rejects_bad_arguments(capsys) -> None:
     assert "--ase-reference" in capsys.readouterr().err
 
 
-def test_sevennet(tmp_path) -> None:
-    """A random-weight SevenNet: the sharded calculator equals the bare model."""
-    pytest.importorskip("sevenn")
+@pytest.mark.parametrize(("model", "package"), [("sevennet", "sevenn"), ("nequip", "nequip")])
+def test_ml_model(tmp_path, model: str, package: str) -> None:
+    """A random-weight ML model: the sharded calculator equals the bare model."""
+    pytest.importorskip(package)
     json_path = tmp_path / "bench.json"
-    args = ["bench", "--size", "2", "--model", "sevennet", "--ml-channels", "4"]
+    args = ["bench", "--size", "2", "--model", model, "--ml-channels", "4"]
     args += ["--ml-layers", "2", "--ml-cutoff", "4.0", "--json", str(json_path), "--no-plot"]
     assert main([*args, *QUICK]) == 0
     report = json.loads(json_path.read_text())

@@ -182,8 +182,29 @@ def test_declared_attributes() -> None:
     allegro = Allegro(build_allegro(num_layers=3))
     assert (allegro.cutoff, allegro.num_layers) == (4.0, 1)  # strictly local
     assert NequIP(build_allegro()).num_layers == 1
+    # ghost-exchange hooks: NequIP runs with the one-cutoff halo, Allegro needs none
+    assert nequip.supports_layer_halo and not allegro.supports_layer_halo
+    assert not NequIP(build_nequip(num_layers=1)).supports_layer_halo
+    assert ShardedCalculator(nequip).parameters["halo"] == "layer"
     with pytest.raises(ValueError, match="strictly local"):
         Allegro(build_nequip())
+
+
+def test_filled_hooks_leave_the_model_unchanged_elsewhere() -> None:
+    """The adapter fills the model's ghost-exchange hooks in place; nequip's own
+    calculator on that model still gives what it gives on an untouched one."""
+    wrapped = build_nequip(num_layers=3, convnet_resnet=True)
+    NequIP(wrapped)
+    NequIP(wrapped)  # a second adapter of the same model
+    kinds = {type(m).__name__ for m in wrapped.modules()}
+    assert "_GhostExchange" in kinds and "NoOpGhostExchangeModule" not in kinds
+    results = []
+    for model in (wrapped, build_nequip(num_layers=3, convnet_resnet=True)):
+        atoms = make_bulk()
+        atoms.calc = nequip_calculator(model)
+        results.append(ase_results(atoms.calc, atoms))
+    errors = relative_errors(*results)
+    assert all(err <= 1e-14 for err in errors.values()), errors
 
 
 def test_dtype_is_kept_and_device_moves() -> None:

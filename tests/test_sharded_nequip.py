@@ -1,4 +1,5 @@
-"""NequIP and Allegro adapters at any rank count equal nequip's own calculator.
+"""NequIP and Allegro adapters at any rank count equal nequip's own calculator,
+NequIP with the per-layer halo (its default) and the full halo.
 
 Plain pytest runs one rank; ``mpirun -n P python -m pytest --with-mpi
 tests/test_sharded_nequip.py`` runs P. Every rank builds the same seeded
@@ -16,6 +17,7 @@ import pytest  # noqa: E402
 pytest.importorskip("nequip")
 pytest.importorskip("allegro")
 
+from ase import Atoms  # noqa: E402
 from oracles import ase_results  # noqa: E402
 from sharded import assert_identical_on_all_ranks  # noqa: E402
 from test_nequip import (  # noqa: E402
@@ -23,21 +25,28 @@ from test_nequip import (  # noqa: E402
     RTOL64,
     SYSTEMS,
     _nequip_default_dtype,  # noqa: F401  (autouse fixture, applies here too)
+    build_nequip,
     nequip_calculator,
     relative_errors,
 )
 
 from ase_shard import ShardedCalculator  # noqa: E402
+from ase_shard.models.nequip import NequIP  # noqa: E402
 from ase_shard.partition import PARTITIONS  # noqa: E402
 
 _MODELS: dict = {}
 _REFERENCES: dict = {}
+# a deeper NequIP (3 layers: two exchanges per evaluation) with residual updates
+_BUILDERS = {
+    **{kind: build for kind, (build, _) in BUILDERS.items()},
+    "nequip-3-resnet": lambda: build_nequip(num_layers=3, convnet_resnet=True),
+}
 
 
 def _model(kind: str):
     """One seeded model per kind, shared by the adapter and the reference."""
     if kind not in _MODELS:
-        _MODELS[kind] = BUILDERS[kind][0]()
+        _MODELS[kind] = _BUILDERS[kind]()
     return _MODELS[kind]
 
 
@@ -59,5 +68,35 @@ def test_sharded_matches_nequip_calculator(kind: str, system: str, partition: st
     atoms.calc = ShardedCalculator(adapter(_model(kind)), partition=partition)
     got = ase_results(atoms.calc, atoms)
     errors = relative_errors(got, _reference(kind, system))
+    assert all(err <= RTOL64 for err in errors.values()), errors
+    assert_identical_on_all_ranks(got)
+
+
+@pytest.mark.parametrize("partition", PARTITIONS)
+@pytest.mark.parametrize("system", sorted(SYSTEMS))
+@pytest.mark.parametrize("kind", ["nequip", "nequip-3-resnet"])
+def test_layer_halo_equals_full_halo(kind: str, system: str, partition: str) -> None:
+    """Ghost features exchanged between interaction blocks (one-cutoff halo) give
+    what computing them locally (``num_layers`` cutoffs) and nequip give."""
+    results = {}
+    for halo in ("layer", "full"):
+        atoms = SYSTEMS[system]()
+        atoms.calc = ShardedCalculator(NequIP(_model(kind)), partition=partition, halo=halo)
+        results[halo] = ase_results(atoms.calc, atoms)
+        errors = relative_errors(results[halo], _reference(kind, system))
+        assert all(err <= RTOL64 for err in errors.values()), (halo, errors)
+        assert_identical_on_all_ranks(results[halo])
+    errors = relative_errors(results["layer"], results["full"])
+    assert all(err <= RTOL64 for err in errors.values()), errors
+
+
+def test_layer_halo_with_empty_ranks() -> None:
+    """Three atoms: from 4 ranks on some own nothing, yet join every exchange."""
+    atoms = Atoms("CuAuAg", positions=[[0.0, 0.0, 0.0], [2.5, 0.0, 0.0], [2.5, 2.4, 0.3]])
+    reference = atoms.copy()
+    reference.calc = nequip_calculator(_model("nequip-3-resnet"))
+    atoms.calc = ShardedCalculator(NequIP(_model("nequip-3-resnet")))
+    got = ase_results(atoms.calc, atoms)
+    errors = relative_errors(got, ase_results(reference.calc, reference))
     assert all(err <= RTOL64 for err in errors.values()), errors
     assert_identical_on_all_ranks(got)

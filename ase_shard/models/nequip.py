@@ -15,6 +15,13 @@ The adapter feeds nequip's energy model the local graph's edge vectors as
 positions or a cell, exactly as in its LAMMPS ML-IAP integration) and returns
 the per-atom energies ``atomic_energy``, per-type scale and shift included.
 The calculator, not nequip's ``ForceStressOutput``, differentiates.
+
+NequIP models with nequip's ghost-exchange hooks (one per interaction block,
+no-ops in nequip's own calculator; the hooks its LAMMPS ML-IAP integration
+fills) run with the per-layer halo: the adapter fills the hooks with
+``graph.exchange`` and marks the owned atoms as nequip's local ones, so each
+interaction block computes features for owned atoms only and receives the
+ghosts' from their owners.
 """
 
 from __future__ import annotations
@@ -31,6 +38,57 @@ from ase_shard.graph import LocalGraph
 _CONV_LAYER = "ConvNetLayer"  # one NequIP message-passing layer
 _ALLEGRO_MODULE = "Allegro_Module"  # Allegro: strictly local, one cutoff
 _FORCE_OUTPUT = ("ForceStressOutput", "PartialForceOutput")
+_GHOST_HOOK = "NoOpGhostExchangeModule"  # nequip's per-interaction-block exchange hook
+# nequip's data key for LAMMPS ML-IAP: its ``nlocal`` is the number of local (owned) nodes
+_LOCAL_NODES_KEY = "lmp_mliap_data"
+
+
+class _Halo:
+    """What nequip's interaction blocks and the exchange hooks need of a layer-halo
+    evaluation; travels in the data dict under nequip's ML-IAP key."""
+
+    def __init__(self, exchange, nlocal: int):
+        self.exchange = exchange  # graph.exchange
+        self.nlocal = nlocal  # owned nodes: nequip's local ones
+
+
+class _GhostExchange(torch.nn.Module):
+    """nequip's ghost-exchange hook calling ``graph.exchange``.
+
+    Stateless: the exchange comes with the data (``_Halo``), so one model can
+    serve several adapters, and without it (nequip's own calculator, the full
+    halo) the hook is a no-op, as nequip's own.
+    """
+
+    def __init__(self, field: str):
+        super().__init__()
+        self.field = field
+
+    def forward(self, data: dict, ghost_included: bool = False) -> dict:
+        halo = data.get(_LOCAL_NODES_KEY)
+        if not isinstance(halo, _Halo):
+            return data
+        features = data[self.field]
+        if ghost_included:
+            features = features[: halo.nlocal]
+        data[self.field] = halo.exchange(features)
+        return data
+
+
+def _install_ghost_exchange(model: torch.nn.Module) -> bool:
+    """Replace nequip's no-op ghost-exchange hooks in ``model`` (in place) by
+    ``_GhostExchange``; returns whether the model has hooks (NequIP's interaction
+    blocks in recent nequip; Allegro has none)."""
+    hooks = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child).__name__ in (_GHOST_HOOK, _GhostExchange.__name__)
+    ]
+    for parent, name, child in hooks:
+        if not isinstance(child, _GhostExchange):
+            setattr(parent, name, _GhostExchange(child.field))
+    return bool(hooks)
 
 
 def _load(model, model_key: str | None):
@@ -99,6 +157,10 @@ class NequIP(torch.nn.Module):
     model_key : str, optional
         Which model of a multi-model checkpoint/package to load.
 
+    ``supports_layer_halo`` is true for message-passing models with nequip's
+    ghost-exchange hooks, which the adapter fills in place (they stay no-ops
+    outside a sharded evaluation).
+
     The model computes in the dtype it was built with (``model_dtype``);
     ``model.to(dtype=...)`` (as ``ShardedCalculator(dtype=...)`` does) moves
     it between devices but never casts it. Edge vectors are handed to nequip
@@ -140,6 +202,9 @@ class NequIP(torch.nn.Module):
                     "cannot tell this nequip model's message-passing depth: pass num_layers="
                 )
         self.num_layers = int(num_layers)
+        self.supports_layer_halo = (
+            _install_ghost_exchange(self.energy_model) and self.num_layers > 1
+        )
 
         lookup = _type_lookup(self.type_names, chemical_species_to_atom_type_map)
         self.atomic_types = tuple(sorted(lookup))
@@ -204,9 +269,26 @@ class NequIP(torch.nn.Module):
         rows[neighbour[edges]] = True
         return edges, rows
 
+    def _layer_halo_forward(self, graph: LocalGraph, types: torch.Tensor) -> torch.Tensor:
+        """Owned energies with ghost features from ``graph.exchange``; every edge is
+        centred on an owned atom, so no row or edge is dropped."""
+        data = {
+            "atom_types": types,
+            "edge_index": graph.edge_index,
+            "edge_vectors": graph.edge_vectors.to(torch.float64),
+        }
+        if self._pruner is not None:
+            data = self._pruner(data)
+        n_owned = graph.n_owned
+        data[_LOCAL_NODES_KEY] = _Halo(graph.exchange, n_owned)
+        energies = self.energy_model(data)["atomic_energy"].view(-1)[:n_owned]
+        return torch.cat([energies, energies.new_zeros(graph.n_atoms - n_owned)])
+
     def forward(self, graph: LocalGraph) -> torch.Tensor:
         n = graph.n_atoms
         types = self._type_of_z[graph.numbers]
+        if graph.exchange is not None:
+            return self._layer_halo_forward(graph, types)
         edges, rows = self._needed(graph.edge_index, n, graph.n_owned)
         # compact the rows (owned rows stay first, order kept)
         kept = torch.nonzero(rows).view(-1)
