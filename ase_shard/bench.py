@@ -52,13 +52,12 @@ from ase.calculators.calculator import Calculator
 from ase.data import chemical_symbols
 
 import ase_shard
+from ase_shard.block import sum_edge_gradients
 from ase_shard.calculator import ShardedCalculator
 from ase_shard.comm import Comm
 from ase_shard.graph import LocalGraph
 from ase_shard.timing import PHASES, PhaseTimer
 
-_VOIGT_A = [0, 1, 2, 1, 0, 0]
-_VOIGT_B = [0, 1, 2, 2, 2, 1]
 # rows x width of the ceiling's tanh/matmul loop: small enough for the L2 cache
 _CEILING_SHAPE = (256, 64)
 # largest relative difference from the bare model that is round-off, per dtype
@@ -169,12 +168,7 @@ class BareModel:
             (grad,) = torch.autograd.grad(energies.sum(), vectors)
             grad = grad.to(torch.float64)
         with timer.phase("reverse"):
-            edge_virial = 0.25 * (
-                d[:, _VOIGT_A] * grad[:, _VOIGT_B] + d[:, _VOIGT_B] * grad[:, _VOIGT_A]
-            )
-            rows = torch.zeros((len(atoms), 9), dtype=torch.float64, device=device)
-            rows.index_add_(0, i, torch.cat([grad, edge_virial], dim=1))
-            rows.index_add_(0, j, torch.cat([-grad, edge_virial], dim=1))
+            rows = sum_edge_gradients(i, j, d, grad, len(atoms))
             energies = energies.detach().to(torch.float64)
             out = {
                 "energy": energies.sum().cpu().numpy(),
