@@ -230,10 +230,12 @@ class LocalBlock:
             grad = torch.zeros_like(d) if grad is None else grad.to(torch.float64)
 
         with timer.phase("reverse"):
-            self._check_finite(owned_energy, grad, i, j)
             rows = d.new_zeros((self.n_nodes, RESULT_COLUMNS))
             rows[:, 1:] = sum_edge_gradients(i, j, d, grad, self.n_nodes)
             rows[: self.n_owned, 0] = owned_energy.detach().to(torch.float64)
+            # NaN and inf reach the row sums: one small reduction in the common case
+            if not torch.isfinite(rows.sum()):
+                self._check_finite(owned_energy, grad, i, j)
         return rows
 
     def _tensors(self, values: dict | None, dtype) -> dict[str, torch.Tensor]:
@@ -243,8 +245,6 @@ class LocalBlock:
         }
 
     def _check_finite(self, owned_energy, grad, centre, neighbour) -> None:
-        if torch.isfinite(owned_energy.detach().sum() + grad.sum()):
-            return  # the common case in one reduction (NaN and inf propagate)
         bad_energy = ~torch.isfinite(owned_energy.detach())
         bad_edge = ~torch.isfinite(grad).all(dim=1)
         if bad_energy.any() or bad_edge.any():
