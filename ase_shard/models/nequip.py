@@ -269,42 +269,37 @@ class NequIP(torch.nn.Module):
         rows[neighbour[edges]] = True
         return edges, rows
 
-    def _layer_halo_forward(self, graph: LocalGraph, types: torch.Tensor) -> torch.Tensor:
-        """Owned energies with ghost features from ``graph.exchange``; every edge is
-        centred on an owned atom, so no row or edge is dropped."""
+    def forward(self, graph: LocalGraph) -> torch.Tensor:
+        n, n_owned = graph.n_atoms, graph.n_owned
+        types = self._type_of_z[graph.numbers]
+        edge_index, vectors = graph.edge_index, graph.edge_vectors
+        kept = None
+        if graph.exchange is None:
+            # full halo: compact to the rows and edges owned energies depend on
+            # (owned rows stay first, order kept)
+            edges, rows = self._needed(edge_index, n, n_owned)
+            kept = torch.nonzero(rows).view(-1)
+            new_index = torch.full((n,), -1, dtype=torch.int64, device=types.device)
+            new_index[kept] = torch.arange(kept.numel(), device=types.device)
+            types, vectors = types[kept], vectors[edges]
+            edge_index = new_index[edge_index[:, edges]]
         data = {
             "atom_types": types,
-            "edge_index": graph.edge_index,
-            "edge_vectors": graph.edge_vectors.to(torch.float64),
+            "edge_index": edge_index,
+            "edge_vectors": vectors.to(torch.float64),
         }
         if self._pruner is not None:
             data = self._pruner(data)
-        n_owned = graph.n_owned
-        data[_LOCAL_NODES_KEY] = _Halo(graph.exchange, n_owned)
-        energies = self.energy_model(data)["atomic_energy"].view(-1)[:n_owned]
-        return torch.cat([energies, energies.new_zeros(graph.n_atoms - n_owned)])
-
-    def forward(self, graph: LocalGraph) -> torch.Tensor:
-        n = graph.n_atoms
-        types = self._type_of_z[graph.numbers]
         if graph.exchange is not None:
-            return self._layer_halo_forward(graph, types)
-        edges, rows = self._needed(graph.edge_index, n, graph.n_owned)
-        # compact the rows (owned rows stay first, order kept)
-        kept = torch.nonzero(rows).view(-1)
-        new_index = torch.full((n,), -1, dtype=torch.int64, device=types.device)
-        new_index[kept] = torch.arange(kept.numel(), device=types.device)
-        data = {
-            "atom_types": types[kept],
-            "edge_index": new_index[graph.edge_index[:, edges]],
-            "edge_vectors": graph.edge_vectors[edges].to(torch.float64),
-        }
-        if self._pruner is not None:
-            data = self._pruner(data)
-        out = self.energy_model(data)
-        energies = out["atomic_energy"].view(-1)
-        result = energies.new_zeros(n)
-        return result.index_copy(0, kept, energies)
+            # layer halo: every edge is centred on an owned atom; nequip's
+            # interaction blocks compute the owned ("local") nodes and the
+            # hooks fetch the ghosts' features
+            data[_LOCAL_NODES_KEY] = _Halo(graph.exchange, n_owned)
+        energies = self.energy_model(data)["atomic_energy"].view(-1)
+        if kept is None:
+            energies = energies[:n_owned]
+            return torch.cat([energies, energies.new_zeros(n - n_owned)])
+        return energies.new_zeros(n).index_copy(0, kept, energies)
 
 
 class Allegro(NequIP):
