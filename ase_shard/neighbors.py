@@ -54,7 +54,7 @@ def close_gaps(positions: torch.Tensor, cutoff: float) -> torch.Tensor:
 
 
 def _vesin_pairs(positions: torch.Tensor, cutoff: float) -> torch.Tensor:
-    points = positions.detach().to(torch.float64).numpy()
+    points = positions.numpy()  # neighbor_pairs passes detached float64
     nl = vesin.NeighborList(cutoff=float(cutoff), full_list=True)
     i, j = nl.compute(points=points, box=np.zeros((3, 3)), periodic=False, quantities="ij")
     pairs = np.stack([i, j]).astype(np.int64)

@@ -101,7 +101,8 @@ class EMT(torch.nn.Module):
         w = 1.0 / (1.0 + torch.exp(self.acut * (r - self.rc)))
         chi = neighbour_(_N0) / centre_(_N0)
 
-        dsigma1 = torch.exp(-neighbour_(_ETA2) * (r - beta * neighbour_(_S0))) * chi * w
+        s0_j = neighbour_(_S0)
+        dsigma1 = torch.exp(-neighbour_(_ETA2) * (r - beta * s0_j)) * chi * w
         sigma1 = vectors.new_zeros(graph.n_atoms).index_add(0, centre, dsigma1)
         # Isolated atoms have sigma1 == 0 and log(0) would poison the gradient
         # through torch.where, so they evaluate the formula at a harmless value.
@@ -116,9 +117,7 @@ class EMT(torch.nn.Module):
 
         # sigma2 contributions seen from the centre (es) and from the neighbour (eo).
         r_beta = r / beta
-        es = centre_(_NEGHALFV0OVERGAMMA2) * torch.exp(
-            -neighbour_(_KAPPA) * (r_beta - neighbour_(_S0))
-        )
+        es = centre_(_NEGHALFV0OVERGAMMA2) * torch.exp(-neighbour_(_KAPPA) * (r_beta - s0_j))
         eo = neighbour_(_NEGHALFV0OVERGAMMA2) * torch.exp(
             -centre_(_KAPPA) * (r_beta - centre_(_S0))
         )

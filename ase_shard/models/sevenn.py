@@ -200,7 +200,9 @@ class SevenNet(torch.nn.Module):
         layer = 0
         for name in self._modules_to_run:
             module = modules[name]
-            if "Convolution" in type(module).__name__:
+            kind = type(module).__name__
+            convolution = "Convolution" in kind
+            if convolution:
                 if layer and graph.exchange is not None:
                     features = data[KEY.NODE_FEATURE]
                     data[KEY.NODE_FEATURE] = graph.exchange(features[: graph.n_owned])
@@ -212,10 +214,10 @@ class SevenNet(torch.nn.Module):
                     data[key] = full_edges[key].index_select(dim, subset)
                 layer += 1
             data = module(data)
-            if type(module).__name__ == "OnehotEmbedding":
+            if kind == "OnehotEmbedding":
                 # sevenn's one-hot embedding always returns float32; follow the model's dtype
                 _cast_outputs(module, data, graph.edge_vectors.dtype)
-            if graph.exchange is not None and "Convolution" in type(module).__name__:
+            if convolution and graph.exchange is not None:
                 # per-layer halo: ghosts need no node-wise work, the next exchange
                 # refreshes them; from here on node tensors hold the owned atoms only
                 for key in _NODE_KEYS:
