@@ -29,6 +29,7 @@ memory per rank; ``ShardedCalculator`` also reports the per-rank breakdown of
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import ctypes.util
@@ -40,7 +41,7 @@ import resource
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -182,6 +183,22 @@ class BareModel:
 # ----------------------------------------------------------------------- random ML models
 
 
+def _symbols(numbers: Sequence[int]) -> list[str]:
+    """The distinct elements of ``numbers``, as sorted chemical symbols."""
+    return sorted(chemical_symbols[z] for z in np.unique(numbers))
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default dtype set to ``dtype`` inside, restored afterwards."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def random_sevennet_network(
     symbols: Sequence[str],
     *,
@@ -232,7 +249,7 @@ def random_sevennet(
 
     from ase_shard.models.sevenn import SevenNet
 
-    symbols = sorted(chemical_symbols[z] for z in np.unique(numbers))
+    symbols = _symbols(numbers)
     network = random_sevennet_network(
         symbols,
         cutoff=cutoff,
@@ -268,9 +285,7 @@ def random_mace(
 
     elements = [int(z) for z in np.unique(numbers)]
     torch.manual_seed(seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)  # MACE's buffers take the default dtype
-    try:
+    with _default_dtype(torch.float64):  # MACE's buffers take the default dtype
         network = modules.ScaleShiftMACE(
             r_max=cutoff,
             num_bessel=8,
@@ -293,8 +308,6 @@ def random_mace(
             atomic_inter_scale=1.0,
             atomic_inter_shift=0.0,
         )
-    finally:
-        torch.set_default_dtype(previous)
     return MACE(network)
 
 
@@ -317,10 +330,9 @@ def random_nequip(
 
     from ase_shard.models.nequip import NequIP
 
-    symbols = sorted(chemical_symbols[z] for z in np.unique(numbers))
-    previous = torch.get_default_dtype()
-    set_global_state()
-    try:
+    symbols = _symbols(numbers)
+    with _default_dtype(torch.float64):
+        set_global_state()  # nequip builds under its global state (float64 default)
         network = NequIPGNNModel(
             seed=seed,
             model_dtype="float64",
@@ -334,8 +346,6 @@ def random_nequip(
             num_features=channels,
             radial_mlp_width=32,
         )
-    finally:
-        torch.set_default_dtype(previous)
     return NequIP(network.eval())
 
 
