@@ -18,6 +18,7 @@ collectives would pair up wrongly and hang. Two rules make sure of it:
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import numpy as np
 import torch
@@ -121,7 +122,8 @@ class HaloExchange:
 # Custom ops rather than an autograd.Function: torch.compile treats them as
 # opaque nodes (no graph break, so a model's layer loop stays compiled).
 _HANDLES = itertools.count()
-_EXCHANGES: dict[int, HaloExchange] = {}
+# weak: an exchange lives as long as its calculator's block, not as long as the process
+_EXCHANGES: weakref.WeakValueDictionary[int, HaloExchange] = weakref.WeakValueDictionary()
 
 
 @torch.library.custom_op("ase_shard::halo_exchange", mutates_args=())
