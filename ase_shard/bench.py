@@ -24,7 +24,14 @@ hits them alike. A timed step starts on all ranks together (a barrier) and ends
 when the slowest rank is done, so rank-0-only and all-rank work are timed the
 same way. Each subject's first call (a build) runs alone and records the peak
 memory per rank; ``ShardedCalculator`` also reports the per-rank breakdown of
-:data:`ase_shard.timing.PHASES` and its layout sizes.
+:data:`ase_shard.timing.PHASES` (wall clock, and CPU time with MPI calls
+excluded) and its layout sizes.
+
+:func:`run_framework` (``ase-shard bench --framework``) measures instead what
+``ShardedCalculator`` costs per MD step next to ASE's own ``VelocityVerlet``
+step: both run on every rank's copy of the system, ASE's step with a
+calculator that returns zeros, the sharded one with a model that has no pairs
+(:func:`no_edge_model`) or any other, and each rank's CPU time per phase.
 """
 
 from __future__ import annotations
@@ -48,15 +55,18 @@ from typing import Any
 import numpy as np
 import torch
 import vesin
-from ase import Atoms
-from ase.calculators.calculator import Calculator
+from ase import Atoms, units
+from ase.calculators.calculator import Calculator, all_changes
 from ase.data import chemical_symbols
+from ase.md.velocitydistribution import thermalize_momenta
+from ase.md.verlet import VelocityVerlet
 
 import ase_shard
 from ase_shard.block import sum_edge_gradients
 from ase_shard.calculator import ShardedCalculator
 from ase_shard.comm import Comm
 from ase_shard.graph import LocalGraph
+from ase_shard.models import LennardJones
 from ase_shard.timing import PHASES, PhaseTimer
 
 # rows x width of the ceiling's tanh/matmul loop: small enough for the L2 cache
@@ -65,24 +75,22 @@ _CEILING_SHAPE = (256, 64)
 AGREEMENT_TOLERANCE = {"float64": 1e-8, "float32": 1e-3}
 # displacement index of the untimed step after each first call
 _WARM_UP_STEP = 2**31
+# the kinds of timed steps: they reuse the decomposition / rebuild it
+KINDS = ("reuse", "rebuild")
 
 
 @dataclass(frozen=True)
-class BenchSettings:
-    """What one benchmark run does.
+class StepSettings:
+    """The timed steps and the calculator's options, common to both measurements.
 
     Attributes
     ----------
     reuse_steps, rebuild_steps : int
-        Timed steps that reuse the decomposition / rebuild it on every call.
+        Timed steps that reuse the decomposition / rebuild it.
     skin : float
-        Neighbour-list skin (Å) of the calculator and of the bare model.
+        Neighbour-list skin (Å) of the calculator (and of the bare model).
     seed : int
-        Seed of the displacements (the same on every rank).
-    serial_reference : bool
-        With ``P > 1`` ranks, also time ``ShardedCalculator`` on rank 0 alone.
-    ceiling_seconds : float
-        Duration of the ceiling's single-rank loop (one after every step).
+        Seed of the random numbers (the same on every rank).
     calculator : dict
         Further keyword arguments of ``ShardedCalculator`` (``device``, ...).
     """
@@ -91,15 +99,36 @@ class BenchSettings:
     rebuild_steps: int = 3
     skin: float = 0.5
     seed: int = 0
-    serial_reference: bool = True
-    ceiling_seconds: float = 0.5
     calculator: dict | None = None
 
     def __post_init__(self) -> None:
         if self.reuse_steps < 1 or self.rebuild_steps < 1:
             raise ValueError("reuse_steps and rebuild_steps must be >= 1")
-        if self.skin < 0 or self.ceiling_seconds <= 0:
-            raise ValueError("skin must be >= 0 and ceiling_seconds > 0")
+        if self.skin < 0:
+            raise ValueError(f"skin must be >= 0, not {self.skin}")
+
+
+@dataclass(frozen=True)
+class BenchSettings(StepSettings):
+    """What one benchmark run does (:func:`run_benchmark`).
+
+    Attributes
+    ----------
+    serial_reference : bool
+        With ``P > 1`` ranks, also time ``ShardedCalculator`` on rank 0 alone.
+    ceiling_seconds : float
+        Duration of the ceiling's single-rank loop (one after every step).
+
+    The others, and ``seed`` (of the displacements), as in :class:`StepSettings`.
+    """
+
+    serial_reference: bool = True
+    ceiling_seconds: float = 0.5
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.ceiling_seconds <= 0:
+            raise ValueError(f"ceiling_seconds must be > 0, not {self.ceiling_seconds}")
 
     @property
     def amplitude(self) -> float:
@@ -528,7 +557,7 @@ class _Entry:
     name: str
     subject: Any
     everyone: bool  # all ranks evaluate it together; else rank 0 alone
-    kinds: tuple[str, ...] = ("reuse", "rebuild")
+    kinds: tuple[str, ...] = KINDS
 
 
 def _step(comm: Comm, entry: _Entry, positions: np.ndarray, rebuild: bool) -> tuple | None:
@@ -590,13 +619,14 @@ def _timed_steps(
     Interleaving puts every subject under the same load of a shared machine;
     ``ceiling`` takes a sample after every round.
     Returns on rank 0, per subject and kind: median step time, samples,
-    energies, rebuild count, the phase breakdown per step (a list per rank)
-    and the last step's forces (``"forces"``, an array).
+    energies, rebuild count, the phase breakdowns per step (wall and CPU, a
+    list per rank, see :func:`_phase_means`) and the last step's forces
+    (``"forces"``, an array).
     """
     counts = {"reuse": settings.reuse_steps, "rebuild": settings.rebuild_steps}
     results: dict[str, dict] = {entry.name: {} for entry in entries}
     step = 0
-    for kind in ("reuse", "rebuild"):
+    for kind in KINDS:
         active = [entry for entry in entries if kind in entry.kinds]
         records = {entry.name: ([], [], None) for entry in active}
         builds = {}
@@ -618,9 +648,7 @@ def _timed_steps(
             ceiling.sample()
         for entry in active:
             timer = entry.subject.timer if entry.subject is not None else None
-            mine = None
-            if timer is not None:
-                mine = {phase: timer.totals[phase] / counts[kind] for phase in PHASES}
+            mine = None if timer is None else _phase_means(timer, counts[kind])
             ranks = comm.gather(mine) if entry.everyone else [mine]
             if not comm.is_root:
                 continue
@@ -633,9 +661,30 @@ def _timed_steps(
                 "forces": forces,
             }
             if ranks[0] is not None:
-                result["breakdown"] = {phase: [r[phase] for r in ranks] for phase in PHASES}
+                result.update(_per_rank(ranks))
             results[entry.name][kind] = result
     return results
+
+
+# the breakdowns per phase: wall-clock seconds, and CPU seconds with MPI calls excluded
+BREAKDOWNS = {"breakdown": "totals", "breakdown_cpu": "cpu"}
+
+
+def _phase_means(timer: PhaseTimer, steps: int) -> dict[str, dict[str, float]]:
+    """This rank's seconds per phase and step: wall (``breakdown``) and CPU
+    without MPI calls (``breakdown_cpu``), from ``timer``'s totals over ``steps``."""
+    return {
+        field: {phase: getattr(timer, totals)[phase] / steps for phase in PHASES}
+        for field, totals in BREAKDOWNS.items()
+    }
+
+
+def _per_rank(ranks: list[dict]) -> dict[str, dict[str, list[float]]]:
+    """Every rank's :func:`_phase_means` as ``{field: {phase: [value per rank]}}``."""
+    return {
+        field: {phase: [r[field][phase] for r in ranks] for phase in PHASES}
+        for field in BREAKDOWNS
+    }
 
 
 def _layout(calc: ShardedCalculator) -> list[list[int]] | None:
@@ -789,13 +838,39 @@ def run_benchmark(
             result["layout"] = layouts[name]
     # the last step's forces of each kind, for the agreement (not in the report)
     forces = {
-        name: {kind: result[kind].pop("forces") for kind in ("reuse", "rebuild") if kind in result}
+        name: {kind: result[kind].pop("forces") for kind in KINDS if kind in result}
         for name, result in results.items()
     }
-    settings_json = asdict(settings)
-    settings_json["calculator"] = {k: str(v) for k, v in options.items()}
     report = {
         "schema": "ase-shard-bench/1",
+        **_report_header(
+            atoms, model, settings, threads, device, dtype, labels, load_start, comm.size
+        ),
+        "agreement": _agreement(results, forces),
+        "results": results,
+        "ceiling": ceiling.result(),
+    }
+    report["ratios"] = _ratios(report)
+    return report
+
+
+def _report_header(
+    atoms: Atoms,
+    model: torch.nn.Module,
+    settings: StepSettings,
+    threads: list[int],
+    device: torch.device,
+    dtype: torch.dtype,
+    labels: dict | None,
+    load_start: float | None,
+    size: int,
+) -> dict:
+    """What a report says about the run besides its results: labels, environment
+    (with the load average at ``load_start`` and now), ranks, threads, device,
+    dtype, system, model and settings."""
+    settings_json = asdict(settings)
+    settings_json["calculator"] = {k: str(v) for k, v in (settings.calculator or {}).items()}
+    return {
         "labels": dict(labels or {}),
         "environment": {
             "host": socket.gethostname(),
@@ -808,7 +883,7 @@ def run_benchmark(
             # 1-minute load averages: other jobs on a shared machine distort the timings
             "load_average": [load_start, _load_average()],
         },
-        "ranks": comm.size,
+        "ranks": size,
         "threads_per_rank": threads,
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
@@ -825,12 +900,7 @@ def run_benchmark(
             "parameters": int(sum(p.numel() for p in model.parameters())),
         },
         "settings": settings_json,
-        "agreement": _agreement(results, forces),
-        "results": results,
-        "ceiling": ceiling.result(),
     }
-    report["ratios"] = _ratios(report)
-    return report
 
 
 def _source_state() -> dict | None:
@@ -881,7 +951,7 @@ def _agreement(results: dict, forces: dict) -> dict:
         if name == "bare":
             continue
         energy, force = 0.0, 0.0
-        for kind in ("reuse", "rebuild"):
+        for kind in KINDS:
             if kind not in result:
                 continue
             e, e_bare = np.array(result[kind]["energies"]), np.array(bare[kind]["energies"])
@@ -915,7 +985,7 @@ def _ratios(report: dict) -> dict:
     results, size = report["results"], report["ranks"]
     one = "sharded" if size == 1 else "sharded_1" if "sharded_1" in results else None
     out: dict[str, Any] = {"ceiling": report["ceiling"]["speedup"]}
-    for kind in ("reuse", "rebuild"):
+    for kind in KINDS:
         speedup_vs_bare = paired_ratio(results, "bare", "sharded", kind)
         entry = {"speedup_vs_bare": speedup_vs_bare, "efficiency_vs_bare": speedup_vs_bare / size}
         if one is not None:
@@ -938,6 +1008,267 @@ def _ratios(report: dict) -> dict:
             if None not in peaks and reference:
                 out[key] = max(peaks) / reference
     return out
+
+
+# ----------------------------------------------------------------------- framework cost
+
+# the phases of the model's work (its neighbour list, evaluation and gradient sum); the
+# others are the framework's own (ShardedCalculator's): their CPU is the "framework CPU"
+MODEL_PHASES = ("neighbors", "forward", "backward", "reverse")
+FRAMEWORK_PHASES = tuple(phase for phase in PHASES if phase not in MODEL_PHASES)
+# the project's bound on the largest framework CPU of a rank over the smallest one's
+FRAMEWORK_BALANCE = 1.10
+NO_EDGE = "no-edge"
+
+
+def no_edge_model() -> torch.nn.Module:
+    """A model without pairs: Lennard-Jones cut off at 0.3 Å (``sigma`` 0.1 Å).
+
+    No two atoms of a real structure are that close, so the model sees no
+    edges and ``ShardedCalculator`` with it costs what the framework itself
+    costs: validation, decomposition, scatter, an empty neighbour search and
+    model, gather. Its halo is only ``0.3 Å + skin`` wide, thinner than a real
+    model's, so ghost rows cost less than they would there.
+    """
+    return LennardJones(sigma=0.1, rc=0.3)
+
+
+class ZeroCalculator(Calculator):
+    """Zero energy, forces and stress: ASE's own dynamics with nothing to evaluate."""
+
+    implemented_properties = ["energy", "free_energy", "forces", "stress"]
+
+    def calculate(
+        self,
+        atoms: Atoms | None = None,
+        properties: Sequence[str] = ("energy",),
+        system_changes: Sequence[str] = all_changes,
+    ) -> None:
+        super().calculate(atoms, properties, system_changes)
+        self.results = {
+            "energy": 0.0,
+            "free_energy": 0.0,
+            "forces": np.zeros((len(self.atoms), 3)),
+            "stress": np.zeros(6),
+        }
+
+
+@dataclass(frozen=True)
+class FrameworkSettings(StepSettings):
+    """What one framework-cost run does (:func:`run_framework`).
+
+    Attributes
+    ----------
+    temperature : float
+        Maxwell-Boltzmann momenta at this temperature (K), drawn with ``seed``.
+    timestep : float
+        VelocityVerlet's time step (fs).
+
+    The others as in :class:`StepSettings`; a rebuild step asks for a rebuild
+    (``calc.request_rebuild()``) before it starts.
+    """
+
+    temperature: float = 300.0
+    timestep: float = 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.temperature < 0 or self.timestep <= 0:
+            raise ValueError("temperature must be >= 0 K and timestep > 0 fs")
+
+
+class _Dynamics:
+    """ASE's ``VelocityVerlet`` on its own copy of ``atoms``, one step at a time.
+
+    The instance's ``calc.calculate`` is wrapped to add its wall time to
+    :attr:`inside`: the calculator's own time, without ASE's.
+    """
+
+    def __init__(self, atoms: Atoms, calc: Calculator, timestep: float):
+        self.atoms = atoms.copy()
+        self.atoms.calc = calc
+        self.calc = calc
+        self.dyn = VelocityVerlet(self.atoms, timestep=timestep * units.fs)
+        self.inside = 0.0
+        calculate = calc.calculate
+
+        def timed(*args: Any, **kwargs: Any) -> None:
+            start = time.perf_counter()
+            try:
+                calculate(*args, **kwargs)
+            finally:
+                self.inside += time.perf_counter() - start
+
+        calc.calculate = timed
+
+    def step(self, comm: Comm, rebuild: bool) -> tuple[float, float]:
+        """One ``VelocityVerlet.step()``, started on all ranks together.
+
+        Returns this rank's wall seconds of the whole step and of the time in
+        ``calculate`` (one call, at the new positions). ``rebuild`` asks the
+        calculator for a rebuild first; the step then gets the last step's
+        forces passed in, as the request drops the cached ones.
+        """
+        forces = None
+        if rebuild:
+            forces = self.atoms.get_forces(md=True)
+            self.calc.request_rebuild()
+        self.inside = 0.0
+        comm.allgather(None)  # all ranks start together
+        start = time.perf_counter()
+        self.dyn.step(forces)
+        return time.perf_counter() - start, self.inside
+
+
+def _schedule(reuse_steps: int, rebuild_steps: int) -> list[str]:
+    """The kinds of the timed steps in order: each rebuild step followed by its share
+    of the reuse steps, so that atoms in free flight (zero forces) stay within the
+    skin of the last build and reuse steps do not rebuild on their own."""
+    kinds = []
+    for i in range(rebuild_steps):
+        share = (i + 1) * reuse_steps // rebuild_steps - i * reuse_steps // rebuild_steps
+        kinds += ["rebuild"] + ["reuse"] * share
+    return kinds
+
+
+def _accumulate(into: PhaseTimer, timer: PhaseTimer) -> None:
+    """Add ``timer``'s wall and CPU seconds per phase to ``into``'s."""
+    for totals in BREAKDOWNS.values():
+        for phase in PHASES:
+            getattr(into, totals)[phase] += getattr(timer, totals)[phase]
+
+
+def run_framework(
+    atoms: Atoms,
+    model: torch.nn.Module,
+    settings: FrameworkSettings,
+    *,
+    dtype: torch.dtype | None = None,
+    labels: dict | None = None,
+) -> dict | None:
+    """What ``ShardedCalculator`` costs per MD step next to ASE's own step.
+
+    Every rank of ``MPI.COMM_WORLD`` (or the one process) calls this with the
+    same ``atoms`` and an identically built ``model``, and holds the whole
+    system (SPMD). Two subjects start from the same Maxwell-Boltzmann momenta
+    and run ASE's ``VelocityVerlet``, taking turns step by step, each step
+    started on all ranks together:
+
+    - ``baseline``: a :class:`ZeroCalculator`, timed as the whole
+      ``dyn.step()`` (what ASE's step costs without a potential);
+    - ``sharded``: ``ShardedCalculator(model)`` on all ranks, timed as the
+      wall time inside ``calculate`` (the framework's and the model's own
+      time), with the per-rank phase breakdown, wall and CPU without MPI.
+
+    With :func:`no_edge_model` the model has no pairs, so the sharded time is
+    the framework's own cost. After each subject's first call and one
+    warm-up step, the timed steps follow :func:`_schedule`.
+
+    Parameters
+    ----------
+    atoms : ase.Atoms
+        The system; not modified (each subject works on a copy).
+    model : torch.nn.Module
+        A ``ShardModel``; ``ShardedCalculator`` casts it to its device and dtype.
+    settings : FrameworkSettings
+    dtype : torch.dtype, optional
+        Precision of the model; default its own.
+    labels : dict, optional
+        Stored as is under ``"labels"`` (system and model names, command line).
+
+    Returns
+    -------
+    dict or None
+        The report (JSON-encodable) on rank 0, ``None`` on the other ranks.
+    """
+    comm = Comm()
+    load_start = _load_average()
+    atoms = atoms.copy()
+    rng = np.random.default_rng(settings.seed)  # the same momenta on every rank
+    thermalize_momenta(atoms, temperature_K=settings.temperature, rng=rng)
+    calc = ShardedCalculator(model, skin=settings.skin, dtype=dtype, **(settings.calculator or {}))
+    threads = comm.gather(torch.get_num_threads())
+    memory = PeakMemory(calc.device)
+    memory.start()
+    baseline = _Dynamics(atoms, ZeroCalculator(), settings.timestep)
+    sharded = _Dynamics(atoms, calc, settings.timestep)
+    for subject in (baseline, sharded):  # the first call (a build) and a warm-up step
+        subject.atoms.get_forces()
+        subject.step(comm, rebuild=False)
+
+    schedule = _schedule(settings.reuse_steps, settings.rebuild_steps)
+    samples: dict[str, list[tuple[float, float, float]]] = {kind: [] for kind in KINDS}
+    sums = {kind: PhaseTimer() for kind in KINDS}
+    rebuilds = dict.fromkeys(KINDS, 0)
+    for kind in schedule:
+        baseline_s, _ = baseline.step(comm, rebuild=False)
+        calc.timer.reset()
+        builds = calc.rebuilds
+        step_s, inside_s = sharded.step(comm, rebuild=kind == "rebuild")
+        rebuilds[kind] += calc.rebuilds - builds
+        samples[kind].append((baseline_s, inside_s, step_s))
+        _accumulate(sums[kind], calc.timer)
+    used = comm.gather(memory.stop())
+    ranks = comm.gather(
+        {
+            kind: {"samples": samples[kind], **_phase_means(sums[kind], len(samples[kind]))}
+            for kind in KINDS
+        }
+    )
+    if not comm.is_root:
+        return None
+    return {
+        "schema": "ase-shard-bench-framework/1",
+        **_report_header(
+            atoms, model, settings, threads, calc.device, calc.dtype, labels, load_start, comm.size
+        ),
+        "schedule": schedule,
+        "rebuilds": calc.rebuilds,  # the first call's build included
+        "max_force": float(np.abs(sharded.atoms.get_forces()).max(initial=0.0)),
+        "layout": _layout(calc),
+        "memory": used,
+        "results": {kind: _framework_result(ranks, kind, rebuilds[kind]) for kind in KINDS},
+    }
+
+
+def _framework_result(ranks: list[dict], kind: str, rebuilds: int) -> dict:
+    """One kind of step of :func:`run_framework` from every rank's samples and sums.
+
+    Samples are listed per step, one value per rank. Medians are over steps,
+    of rank 0's time (``baseline_s``) or of the slowest rank's at each step
+    (``*_max_s``, ``framework_s``, ``sharded_step_s``); the ratios are medians
+    of per-step ratios. Per rank: the phase breakdowns (mean seconds per
+    step), the wall time in ``calculate`` and the framework CPU, the CPU
+    seconds of :data:`FRAMEWORK_PHASES`, with their max / min over ranks.
+    """
+    # (rank, step, [baseline step, inside calculate, sharded step])
+    samples = np.array([r[kind]["samples"] for r in ranks], dtype=float).reshape(len(ranks), -1, 3)
+    baseline, framework, step = samples[..., 0], samples[..., 1], samples[..., 2]
+    baseline_max, framework_max = baseline.max(axis=0), framework.max(axis=0)
+    per_rank = _per_rank([r[kind] for r in ranks])
+    cpu = per_rank["breakdown_cpu"]
+    framework_cpu = [
+        float(sum(cpu[phase][rank] for phase in FRAMEWORK_PHASES)) for rank in range(len(ranks))
+    ]
+    return {
+        "steps": samples.shape[1],
+        "rebuilds": rebuilds,
+        "baseline_samples_s": baseline.T.tolist(),
+        "framework_samples_s": framework.T.tolist(),
+        "sharded_step_samples_s": step.T.tolist(),
+        "baseline_s": float(np.median(baseline[0])),
+        "baseline_max_s": float(np.median(baseline_max)),
+        "framework_s": float(np.median(framework_max)),
+        "sharded_step_s": float(np.median(step.max(axis=0))),
+        "framework_over_baseline": float(np.median(framework_max / baseline_max)),
+        "framework_over_baseline_rank0": float(np.median(framework_max / baseline[0])),
+        **per_rank,
+        "calculate_s": framework.mean(axis=1).tolist(),
+        "framework_cpu_s": framework_cpu,
+        "framework_cpu_max_over_min": (
+            max(framework_cpu) / min(framework_cpu) if min(framework_cpu) > 0 else None
+        ),
+    }
 
 
 # ----------------------------------------------------------------------- output
@@ -966,20 +1297,23 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{1e3 * seconds:.1f}"
 
 
-def breakdown_rows(report: dict) -> list[tuple[str, dict[str, float], float]]:
-    """``(label, seconds per phase, step seconds)`` for the breakdown table and plot.
+def breakdown_rows(
+    report: dict, field: str = "breakdown"
+) -> list[tuple[str, dict[str, float], float]]:
+    """``(label, seconds per phase, step seconds)`` for the breakdown tables and plot.
 
-    One row per subject and kind; the ``P``-rank calculator gets rank 0 and,
-    if another, its rank with the most phase time.
+    ``field`` is ``"breakdown"`` (wall clock) or ``"breakdown_cpu"`` (CPU
+    time, MPI calls excluded). One row per subject and kind; the ``P``-rank
+    calculator gets rank 0 and, if another, its rank with the most phase time.
     """
     results, size = report["results"], report["ranks"]
     rows = []
     for name in ("bare", "sharded_1", "sharded"):
         if name not in results:
             continue
-        for kind in ("reuse", "rebuild"):
+        for kind in KINDS:
             result = results[name][kind]
-            per_rank = result["breakdown"]
+            per_rank = result[field]
             totals = np.sum([per_rank[phase] for phase in PHASES], axis=0)
             ranks = [0]
             slowest = int(np.argmax(totals))
@@ -997,19 +1331,47 @@ def breakdown_rows(report: dict) -> list[tuple[str, dict[str, float], float]]:
     return rows
 
 
+def _header_lines(report: dict, title: str) -> list[str]:
+    """The first lines of a summary: system, model, ranks, threads, device, load."""
+    labels, model = report["labels"], report["model"]
+    load = report["environment"]["load_average"]
+    return [
+        f"{title}: {labels.get('system', report['system']['formula'])}, "
+        f"{report['system']['n_atoms']} atoms, {labels.get('model', model['class'])} "
+        f"({model['class']}, cutoff {model['cutoff']:g} Å, {report['dtype']}), "
+        f"{_ranks(report['ranks'])} x {max(report['threads_per_rank'])} thread(s), "
+        f"{report['device']}, skin {report['settings']['skin']:g} Å",
+        f"  {report['environment']['cpus']} CPUs; 1-minute load average at start and end: "
+        + ", ".join("-" if x is None else f"{x:.1f}" for x in load),
+    ]
+
+
+def _source_note(report: dict) -> list[str]:
+    """A line naming the modified files the report was measured with, if any."""
+    source = report["environment"]["source"]
+    if source is None or not source["modified"]:
+        return []
+    return [
+        f"  note: measured on commit {source['commit'][:10]} with modified files: "
+        + ", ".join(source["modified"])
+    ]
+
+
+def _layout_line(layout: list[list[int]], size: int) -> str:
+    """Owned atoms, nodes, rows and padding (``nodes / owned``) over the ranks."""
+    layout = np.array(layout)
+    padded = layout[:, 2] / np.maximum(layout[:, 1], 1)
+    return (
+        f"  layout on {_ranks(size)}: owned {layout[:, 1].min()}-{layout[:, 1].max()}, "
+        f"nodes {layout[:, 2].min()}-{layout[:, 2].max()}, rows {layout[:, 0].min()}-"
+        f"{layout[:, 0].max()}, nodes/owned {padded.min():.2f}-{padded.max():.2f}"
+    )
+
+
 def format_summary(report: dict) -> str:
     """A plain-text summary of a report: step times, ratios, agreement, breakdown."""
     results, size, ratios = report["results"], report["ranks"], report["ratios"]
-    labels = report["labels"]
-    threads = report["threads_per_rank"]
-    load = report["environment"]["load_average"]
-    lines = [
-        f"ase-shard bench: {labels.get('system', report['system']['formula'])}, "
-        f"{report['system']['n_atoms']} atoms, {labels.get('model', report['model']['class'])} "
-        f"({report['model']['class']}, {report['dtype']}), {_ranks(size)} x "
-        f"{max(threads)} thread(s), {report['device']}, skin {report['settings']['skin']:g} Å",
-        f"  {report['environment']['cpus']} CPUs; 1-minute load average at start and end: "
-        + ", ".join("-" if x is None else f"{x:.1f}" for x in load),
+    lines = _header_lines(report, "ase-shard bench") + [
         "",
         f"  {'ms per step':<28}{'reuse':>10}{'rebuild':>10}{'first':>10}"
         f"{'first-call MiB':>16}{'peak RSS MiB':>14}",
@@ -1064,37 +1426,107 @@ def format_summary(report: dict) -> str:
             f"  WARNING: results differ from the bare model by more than {tolerance:g}; "
             "these timings are of wrong results"
         )
-    source = report["environment"]["source"]
-    if source is not None and source["modified"]:
-        lines.append(
-            f"  note: measured on commit {source['commit'][:10]} with modified files: "
-            + ", ".join(source["modified"])
-        )
-    layout = np.array(results["sharded"]["layout"])
-    padded = layout[:, 2] / np.maximum(layout[:, 1], 1)
-    lines += [
+    lines += _source_note(report)
+    lines += ["", _layout_line(results["sharded"]["layout"], size)]
+    for field, title in (
+        ("breakdown", "breakdown, wall ms per step"),
+        ("breakdown_cpu", "breakdown, CPU ms per step (CPU, MPI excluded)"),
+    ):
+        lines += ["", f"  {title}: " + " ".join(PHASES)]
+        for label, phases, step in breakdown_rows(report, field):
+            values = " ".join(_ms(phases[phase]) for phase in PHASES)
+            lines.append(f"    {label}: {values} (step {_ms(step)})")
+    return "\n".join(lines)
+
+
+def format_framework_summary(report: dict) -> str:
+    """A plain-text summary of a :func:`run_framework` report: step times, their
+    ratio, the CPU per phase and rank (MPI excluded), memory and layout."""
+    results, size, settings = report["results"], report["ranks"], report["settings"]
+    schedule = " ".join("R" if kind == "rebuild" else "u" for kind in report["schedule"])
+    lines = _header_lines(report, "ase-shard bench --framework") + [
+        f"  ASE VelocityVerlet, {settings['timestep']:g} fs, Maxwell-Boltzmann momenta at "
+        f"{settings['temperature']:g} K (seed {settings['seed']})",
+        f"  timed steps after a warm-up step: {schedule} (R: rebuild requested, u: reuse)",
         "",
-        f"  layout on {_ranks(size)}: owned {layout[:, 1].min()}-{layout[:, 1].max()}, "
-        f"nodes {layout[:, 2].min()}-{layout[:, 2].max()}, rows {layout[:, 0].min()}-"
-        f"{layout[:, 0].max()}, nodes/owned {padded.min():.2f}-{padded.max():.2f}",
-        "",
-        "  breakdown, ms per step: " + " ".join(PHASES),
+        f"  {'ms per step, median over steps':<56}{'reuse':>10}{'rebuild':>10}",
     ]
-    for label, phases, step in breakdown_rows(report):
-        values = " ".join(_ms(phases[phase]) for phase in PHASES)
-        lines.append(f"    {label}: {values} (step {_ms(step)})")
+    ratio = "{:.3f}".format
+    rows = [
+        ("baseline_s", "ASE step, ZeroCalculator: rank 0", _ms),
+        ("baseline_max_s", "ASE step, ZeroCalculator: slowest rank", _ms),
+        ("framework_s", "inside ShardedCalculator.calculate: slowest rank", _ms),
+        ("sharded_step_s", "ASE step, ShardedCalculator: slowest rank", _ms),
+        ("framework_over_baseline", "calculate / ZeroCalculator step, slowest ranks", ratio),
+        ("framework_over_baseline_rank0", "calculate / ZeroCalculator step on rank 0", ratio),
+        ("rebuilds", "rebuilds in these steps", str),
+    ]
+    for key, text, show in rows:
+        values = "".join(f"{show(results[kind][key]):>10}" for kind in KINDS)
+        lines.append(f"  {text:<56}{values}")
+    lines += [
+        "  (ratios: median of per-step ratios)",
+        "",
+        "  ms per step and rank, mean over steps: CPU per phase (CPU, MPI excluded) and",
+        "    framework: their sum over " + " + ".join(FRAMEWORK_PHASES) + ";",
+        "    in calc: wall-clock time inside calculate, MPI waits included; outside: the part",
+        "    of it outside the phases (ASE's Calculator.calculate, the start barrier, ...)",
+    ]
+    header = "".join(f"{phase:>10}" for phase in PHASES)
+    header += f"{'framework':>11}{'in calc':>10}{'outside':>10}"
+    for kind in KINDS:
+        result = results[kind]
+        lines.append(f"    {kind:<9}{header}")
+        for rank in range(size):
+            cpu = "".join(f"{1e3 * result['breakdown_cpu'][p][rank]:>10.2f}" for p in PHASES)
+            inside = result["calculate_s"][rank]
+            outside = inside - sum(result["breakdown"][p][rank] for p in PHASES)
+            lines.append(
+                f"    rank {rank:<4}{cpu}{1e3 * result['framework_cpu_s'][rank]:>11.2f}"
+                f"{1e3 * inside:>10.2f}{1e3 * outside:>10.2f}"
+            )
+    balance = []
+    for kind in KINDS:
+        value = results[kind]["framework_cpu_max_over_min"]
+        flag = " EXCEEDS" if value is not None and value > FRAMEWORK_BALANCE else ""
+        balance.append(f"{kind} {'-' if value is None else f'{value:.3f}'}{flag}")
+    memory = report["memory"]
+    lines += [
+        f"  framework CPU, max / min over ranks (bound {FRAMEWORK_BALANCE:g}): "
+        + ", ".join(balance),
+        "  peak RSS MiB per rank: "
+        + ", ".join(_mib(m["peak_rss_mb"]) for m in memory)
+        + " (resident before the first calls: "
+        + ", ".join(_mib(m["start_rss_mb"]) for m in memory)
+        + ")",
+        _layout_line(report["layout"], size),
+        f"  largest |force| at the last step: {report['max_force']:.3g} eV/Å",
+    ]
+    automatic = results["reuse"]["rebuilds"]
+    if automatic:
+        lines.append(
+            f"  WARNING: {automatic} reuse step(s) rebuilt on their own (atoms moved more than "
+            "skin / 2 since the last build): use fewer reuse steps per rebuild step or a "
+            "larger skin"
+        )
+    lines += _source_note(report)
     return "\n".join(lines)
 
 
 def plot_report(report: dict, path: str) -> None:
-    """Write a PNG: step times with speed-ups, peak memory per rank and the phase breakdown."""
+    """Write a PNG: step times with speed-ups, peak memory per rank and the breakdown.
+
+    The breakdown panel shows CPU time per phase with MPI calls excluded (what
+    each rank computed itself); the grey rest of each bar is the remainder of
+    the step's wall time: waits in MPI and work outside the phases.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     results, size, ratios = report["results"], report["ranks"], report["ratios"]
-    rows = breakdown_rows(report)
+    rows = breakdown_rows(report, "breakdown_cpu")
     fig, (left, middle, right) = plt.subplots(
         1, 3, figsize=(17, 1.8 + 0.35 * len(rows)), gridspec_kw={"width_ratios": [1, 1, 1.6]}
     )
@@ -1135,10 +1567,10 @@ def plot_report(report: dict, path: str) -> None:
         right.barh(y, widths, left=start, color=colors[k % 10], label=phase)
         start += widths
     other = np.maximum(np.array([1e3 * step for _, _, step in rows]) - start, 0.0)
-    right.barh(y, other, left=start, color="lightgrey", label="other")
+    right.barh(y, other, left=start, color="lightgrey", label="rest of the step (wall)")
     right.set_yticks(y, [label for label, _, _ in rows], fontsize=8)
     right.set_xlabel("ms per step")
-    right.set_title("breakdown (mean per step)", fontsize=10)
+    right.set_title("CPU per phase, MPI excluded (mean per step)", fontsize=10)
     right.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.22))
     fig.suptitle(
         f"{report['labels'].get('system', report['system']['formula'])}: "

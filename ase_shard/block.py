@@ -1,9 +1,9 @@
 """One rank's block of atoms: local graph, evaluation and derivatives.
 
-Pure torch, no MPI of its own: the calculator feeds it rows received from
-rank 0 and sends back per-node contributions that rank 0 sums into owners.
-With a per-layer halo the model's ``graph.exchange`` calls are the only
-collectives inside.
+Pure torch, no MPI of its own: the calculator gives it the rank's rows and
+node positions and sums the per-node contributions it returns into their
+owners. With a per-layer halo the model's ``graph.exchange`` calls are the
+only collectives inside.
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ import torch
 
 from ase_shard.exchange import HaloExchange
 from ase_shard.graph import LocalGraph
+from ase_shard.halo import RankRows
 from ase_shard.neighbors import neighbor_pairs
 from ase_shard.padding import Capacities, pad_graph
 from ase_shard.timing import PhaseTimer
 
-# Columns of the per-node result: owned energy, force (3), virial Voigt (6).
+# Rows of the per-node result: owned energy, force (3), virial Voigt (6).
 RESULT_COLUMNS = 10
 _VOIGT = ((0, 0), (1, 1), (2, 2), (1, 2), (0, 2), (0, 1))
 
@@ -28,6 +29,7 @@ def sum_edge_gradients(
     vectors: torch.Tensor,
     grad: torch.Tensor,
     n_rows: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-row forces and virials from the energy's gradient w.r.t. edge vectors.
 
@@ -40,6 +42,8 @@ def sum_edge_gradients(
     grad : (E, 3) float64 tensor
         ``dE/dd`` in eV/Å.
     n_rows : int
+    out : (9, n_rows) float64 tensor, optional
+        Zeroed storage to sum into (a new one by default).
 
     Returns
     -------
@@ -53,7 +57,8 @@ def sum_edge_gradients(
     # One column at a time, with 1-D index_add_ into contiguous rows and one
     # reused per-edge buffer: several times faster on CPU than (E, 9) blocks,
     # whose fresh pages and strided scatters dominated the step for EMT.
-    out = torch.zeros((9, n_rows), dtype=torch.float64, device=grad.device)
+    if out is None:
+        out = torch.zeros((9, n_rows), dtype=torch.float64, device=grad.device)
     for axis in range(3):
         column = grad[:, axis]
         out[axis].index_add_(0, centre, column).index_add_(0, neighbour, column, alpha=-1)
@@ -72,21 +77,19 @@ class LocalBlock:
 
     Parameters
     ----------
-    ids : (n,) int array
-        Global atom index of every row (rows as in :class:`ase_shard.halo.RankRows`).
-    numbers : (n,) int array
-    image_shift : (n, 3) int array
-        Row position is ``row_positions + image_shift @ cell``.
-    node : (n,) int array
-        Node of every row; rows ``[0, n_nodes)`` are the nodes.
-    n_owned, n_nodes : int
+    rows : RankRows
+        The rank's rows: owned and ghost nodes, then folded periodic images.
+    numbers : (n_nodes,) int array
+        Atomic numbers of the nodes.
+    node_positions : (n_nodes, 3) array
+        Positions (Å) of the nodes' atoms (``positions[rows.ids[:n_nodes]]``)
+        at build time; a row sits at its node's atom plus
+        ``rows.image_shift @ cell``.
+    cell : (3, 3) array
     model : ShardModel
     skin : float
         Extra neighbour-list radius in Å, so the list stays valid until some
         atom moved more than ``skin / 2``.
-    row_positions : (n, 3) array
-        Row positions (Å) at build time.
-    cell : (3, 3) array
     device : torch.device
     exchange : HaloExchange, optional
         Per-layer halo: only edges centred on owned nodes are built and the
@@ -98,16 +101,12 @@ class LocalBlock:
 
     def __init__(
         self,
-        ids,
-        numbers,
-        image_shift,
-        node,
-        n_owned: int,
-        n_nodes: int,
+        rows: RankRows,
+        numbers: np.ndarray,
+        node_positions: np.ndarray,
+        cell: np.ndarray,
         model,
         skin: float,
-        row_positions,
-        cell,
         device,
         exchange: HaloExchange | None = None,
         timer: PhaseTimer | None = None,
@@ -115,23 +114,26 @@ class LocalBlock:
     ):
         self.device = torch.device(device)
         self.timer = timer or PhaseTimer(self.device)
-        self.ids = np.asarray(ids[:n_nodes])
-        self.numbers = torch.as_tensor(numbers[:n_nodes], dtype=torch.int64, device=self.device)
-        image_shift = torch.as_tensor(image_shift, dtype=torch.float64, device=self.device)
-        node = torch.as_tensor(node, dtype=torch.int64, device=self.device)
+        n_owned, n_nodes = rows.n_owned, rows.n_nodes
+        self.ids = np.asarray(rows.ids[:n_nodes])
+        self.numbers = torch.as_tensor(numbers, dtype=torch.int64, device=self.device)
+        image_shift = torch.as_tensor(rows.image_shift, dtype=torch.float64, device=self.device)
+        node = torch.as_tensor(rows.node, dtype=torch.int64, device=self.device)
         self.node_shift = image_shift[:n_nodes]
         self.n_owned, self.n_nodes = int(n_owned), int(n_nodes)
         self.model = model
         self.exchange = exchange
         self.compiled = compiled
         self.capacity: Capacities | None = None
+        self._shift_cell: torch.Tensor | None = None  # cell of the cached offsets
+        self._result: torch.Tensor | None = None
         types = getattr(model, "atomic_types", None)
         self.fill_number = int(min(types)) if types else 1  # padding nodes' element
 
         with self.timer.phase("neighbors"):
-            rows = torch.as_tensor(row_positions, dtype=torch.float64, device=self.device)
+            atoms = torch.as_tensor(node_positions, dtype=torch.float64, device=self.device)
             cell = torch.as_tensor(cell, dtype=torch.float64, device=self.device)
-            pairs = neighbor_pairs(rows + image_shift @ cell, float(model.cutoff) + skin)
+            pairs = neighbor_pairs(atoms[node] + image_shift @ cell, float(model.cutoff) + skin)
             pairs = pairs.to(self.device)
             # Edges centred on owned nodes suffice when the energy of an atom
             # depends on its own edges only (one layer) or ghosts get their
@@ -158,7 +160,10 @@ class LocalBlock:
     def node_positions(self, node_rows: np.ndarray, cell: torch.Tensor) -> torch.Tensor:
         """Cartesian positions (Å, float64) of the nodes."""
         rows = torch.as_tensor(node_rows, dtype=torch.float64, device=self.device)
-        return rows + self.node_shift @ cell
+        if self._shift_cell is None or not torch.equal(self._shift_cell, cell):
+            # the images' offsets change only with the cell (barostats)
+            self._shift_cell, self._shift = cell, self.node_shift @ cell
+        return rows + self._shift
 
     def evaluate(
         self,
@@ -173,7 +178,7 @@ class LocalBlock:
         Parameters
         ----------
         node_rows : (n_nodes, 3) array
-            Positions (Å) of the nodes' rows (``positions[ids[:n_nodes]]``).
+            Positions (Å) of the nodes' atoms (``positions[ids[:n_nodes]]``).
         cell : (3, 3) array
         dtype : torch.dtype
             The model's precision.
@@ -185,11 +190,13 @@ class LocalBlock:
         Returns
         -------
         torch.Tensor
-            ``(n_nodes, RESULT_COLUMNS)`` float64: per-atom energy in eV (owned
-            nodes only), force in eV/Å, and the virial ``sum d ⊗ dE/dd`` in eV
-            (Voigt order xx, yy, zz, yz, xz, xy) with each edge's share split
-            evenly between its two atoms. Ghost rows hold contributions that
-            belong to their owners.
+            ``(RESULT_COLUMNS, n_nodes)`` float64, one row per quantity (each
+            contiguous): per-atom energy in eV (owned nodes only), force in
+            eV/Å (3 rows), and the virial ``sum d ⊗ dE/dd`` in eV (Voigt order
+            xx, yy, zz, yz, xz, xy) with each edge's share split evenly
+            between its two atoms. Ghost nodes' columns hold contributions
+            that belong to their owners. The storage is reused by the next
+            call.
         """
         timer = self.timer
         with timer.phase("forward"):
@@ -230,13 +237,16 @@ class LocalBlock:
             grad = torch.zeros_like(d) if grad is None else grad.to(torch.float64)
 
         with timer.phase("reverse"):
-            rows = d.new_zeros((self.n_nodes, RESULT_COLUMNS))
-            rows[:, 1:] = sum_edge_gradients(i, j, d, grad, self.n_nodes)
-            rows[: self.n_owned, 0] = owned_energy.detach().to(torch.float64)
-            # NaN and inf reach the row sums: one small reduction in the common case
-            if not torch.isfinite(rows.sum()):
+            # reused: fresh pages for it cost more than zeroing it
+            if self._result is None:
+                self._result = d.new_zeros((RESULT_COLUMNS, self.n_nodes))
+            result = self._result.zero_()
+            sum_edge_gradients(i, j, d, grad, self.n_nodes, out=result[1:])
+            result[0, : self.n_owned] = owned_energy.detach().to(torch.float64)
+            # NaN and inf reach the sum: one small reduction in the common case
+            if not torch.isfinite(result.sum()):
                 self._check_finite(owned_energy, grad, i, j)
-        return rows
+        return result
 
     def _tensors(self, values: dict | None, dtype) -> dict[str, torch.Tensor]:
         return {

@@ -1,8 +1,20 @@
 """ShardedCalculator: an ASE calculator that spreads one system over MPI ranks.
 
-``calculate`` follows the data path of the design: agree on the system,
-decide whether to rebuild, partition and find ghosts (rank 0), scatter rows,
-evaluate each rank's block, and gather/broadcast the results.
+``calculate`` follows the data path of the design, with no serial rank:
+
+1. agree: each rank validates and tests for a rebuild over the atoms it owns
+   and checks its share of the same-Atoms agreement; one small allgather
+   combines the verdicts;
+2. rebuild (rarely): every rank computes the owners of all atoms by the same
+   rule and its own ghosts only; an all-to-all of ghost requests tells each
+   owner what to send (LAMMPS's ``borders``);
+3. each rank takes its node positions from its own ``Atoms`` and evaluates its
+   block;
+4. ghost rows go back to their owners (reverse exchange), and one allgather of
+   the owned results leaves every rank with the same results.
+
+In worker mode (rank 0 alone holds the ``Atoms``), rank 0 plans at rebuilds,
+sends each rank only its node rows and receives only owned results.
 """
 
 from __future__ import annotations
@@ -10,6 +22,8 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -17,7 +31,7 @@ import torch
 from ase import Atoms
 from ase.calculators.calculator import Calculator, all_changes
 
-from ase_shard.block import RESULT_COLUMNS, LocalBlock
+from ase_shard.block import LocalBlock
 from ase_shard.comm import CALCULATE, CLOSE, Comm, describe, rebuild
 from ase_shard.exchange import HaloExchange, PeerFailure
 from ase_shard.graph import (
@@ -27,17 +41,30 @@ from ase_shard.graph import (
     receptive_field,
     supports_layer_halo,
 )
-from ase_shard.halo import rank_rows
+from ase_shard.halo import RankRows, local_rows, rank_rows
 from ase_shard.inputs import ModelInputs, pack, unpack
 from ase_shard.padding import Capacities
 from ase_shard.partition import (
     PARTITIONS,
+    FrameCoordinates,
     choose_grid,
     contiguous_owners,
     frame_coordinates,
     spatial_owners,
 )
-from ase_shard.system import differing_fields, fingerprint, validate
+from ase_shard.system import (
+    check_slices,
+    checksum,
+    differing_fields,
+    fingerprint,
+    slice_bounds,
+    slice_checksums,
+    slice_disagreements,
+    validate,
+    validate_cell,
+    validate_numbers,
+    validate_positions,
+)
 from ase_shard.timing import PhaseTimer
 
 logger = logging.getLogger(__name__)
@@ -62,8 +89,100 @@ def place_rank(device: Any, comm: Comm) -> torch.device:
     return torch.device("cpu")
 
 
-class _Failed(Exception):
-    """This rank's block could not be built (the error is already recorded)."""
+# per-atom results and their columns in the block's rows
+_PER_ATOM = (("energies", [0]), ("forces", [1, 2, 3]), ("stresses", [4, 5, 6, 7, 8, 9]))
+
+
+@dataclass
+class _Request:
+    """What one calculation needs, from the rank(s) holding the ``Atoms``.
+
+    In worker mode rank 0 broadcasts it; under SPMD every rank makes its own.
+    """
+
+    n_atoms: int
+    cell: np.ndarray
+    pbc: np.ndarray
+    changed: bool  # numbers or pbc changed since the last calculation (ASE's check)
+    properties: tuple[str, ...]
+    has_stress: bool
+    input_shapes: dict[str, list[int]] = field(default_factory=dict)
+    system: dict[str, list] = field(default_factory=dict)
+    error: tuple | None = None  # why the inputs could not be read
+
+
+@dataclass
+class _Decomposition:
+    """This rank's share of the decomposition, kept between rebuilds.
+
+    Attributes
+    ----------
+    n_atoms : int
+    cell : (3, 3) array
+        The cell at the build (Å).
+    rows : RankRows
+        This rank's rows and exchange plan.
+    numbers : (n_nodes,) int array
+    owned_positions : (n_owned, 3) array
+        Owned atoms at the build (Å), for the rebuild test.
+    counts : (P, 4) int array
+        Rows, owned atoms, nodes and sent rows of every rank.
+    exchange : HaloExchange
+    owners, order : (N,) int arrays
+        Owner of every atom, and the atoms in rank order (where gathered
+        results go; ``None`` for the atoms' own order). Every rank under
+        SPMD; rank 0 in worker mode.
+    layouts : list of RankRows
+        Worker mode, rank 0: every rank's rows.
+    root_nodes : (sum of nodes,) int array
+        Worker mode, rank 0: every rank's node atoms, rank by rank.
+    node_counts : (P,) int array
+        Worker mode: nodes per rank.
+    """
+
+    n_atoms: int
+    cell: np.ndarray
+    rows: RankRows
+    numbers: np.ndarray
+    owned_positions: np.ndarray | None = None
+    counts: np.ndarray | None = None
+    exchange: HaloExchange | None = None
+    owners: np.ndarray | None = None
+    order: np.ndarray | None = None
+    layouts: list[RankRows] | None = None
+    root_nodes: np.ndarray | None = None
+    node_counts: np.ndarray | None = None
+
+    @cached_property
+    def node_ids(self) -> np.ndarray | slice:
+        """Atoms of this rank's nodes; a slice when they are consecutive (one rank)."""
+        ids = self.rows.ids[: self.rows.n_nodes]
+        if len(ids) and ids[-1] - ids[0] == len(ids) - 1 and (np.diff(ids) == 1).all():
+            return slice(int(ids[0]), int(ids[-1]) + 1)
+        return ids
+
+
+def _order(owners: np.ndarray) -> np.ndarray | None:
+    """Atoms by owner rank, ascending within a rank: the order of gathered results.
+
+    ``None`` when that is the atoms' own order (one rank, contiguous blocks).
+    """
+    if (np.diff(owners) >= 0).all():
+        return None
+    return np.argsort(owners, kind="stable")
+
+
+def _strain(deformation: np.ndarray) -> float:
+    """Spectral norm of ``F - I`` for a cell deformation ``F``."""
+    return float(np.linalg.norm(deformation - np.eye(3), ord=2))
+
+
+def _diverged(detail: str) -> ValueError:
+    return ValueError(
+        "ranks hold different Atoms than rank 0 (" + detail + "). Under mpirun every "
+        "rank must build and move the same system: seed random numbers identically "
+        "(e.g. Langevin(..., rng=np.random.default_rng(seed)))"
+    )
 
 
 class ShardedCalculator(Calculator):
@@ -176,7 +295,7 @@ class ShardedCalculator(Calculator):
             model=type(model).__name__,
         )
         self.rebuilds = 0
-        self.timer = PhaseTimer(self.device)
+        self.timer = PhaseTimer(self.device, self.comm)
         self.timeout = timeout
         self._compiled = None
         self._capacity = Capacities()
@@ -191,7 +310,8 @@ class ShardedCalculator(Calculator):
         self._idle_root = False
         self._on_close: list = []
         self._block: LocalBlock | None = None
-        self._root_state: dict | None = None  # rank 0: layout of the last build
+        self._state: _Decomposition | None = None
+        self._calls = 0  # calculations so far, the same count on every rank
         self.inputs = ModelInputs.of(model)
         self._inputs_digest: bytes | None = None  # of the inputs last calculated
 
@@ -208,37 +328,41 @@ class ShardedCalculator(Calculator):
 
     @property
     def layout_counts(self) -> list[tuple[int, int, int]] | None:
-        """Rank 0: ``(rows, owned, nodes)`` per rank of the current layout.
+        """``(rows, owned, nodes)`` per rank of the current layout (every rank).
 
         Rows count every atom image; nodes are what the model evaluates
         (owned atoms plus ghost atoms), so ``nodes / owned`` is the padding.
         """
-        if self._root_state is None:
+        if self._state is None or self._state.counts is None:
             return None
-        return [tuple(counts[:3]) for counts in self._root_state["counts"]]
+        return [tuple(int(n) for n in counts[:3]) for counts in self._state.counts]
 
     def request_rebuild(self) -> None:
         """Rebuild the decomposition at the next calculation (call on every rank)."""
-        self._root_state = None
+        self._state = None
         self.reset()
 
     @property
     def decomposition(self) -> dict | None:
-        """Rank 0: the current layout, for inspection and plots (``None`` elsewhere).
+        """The current layout, for inspection and plots.
 
         ``owners`` is the owner rank of every atom; ``ghosts[r]`` holds rank
         ``r``'s ghost rows as ``(ids, image_shift)``: the ghost sits at
-        ``positions[ids] + image_shift @ cell``.
+        ``positions[ids] + image_shift @ cell``. Under SPMD every rank knows the
+        owners and only its own ghosts; in worker mode rank 0 knows all
+        ranks' ghosts. ``None`` where the owners are not known.
         """
-        state = self._root_state
-        if state is None:
+        state = self._state
+        if state is None or state.owners is None:
             return None
-        owners = np.empty(len(state["atoms"]), dtype=np.int64)
-        ghosts = []
-        for rank, rows in enumerate(state["layout"]):
-            owners[rows.ids[: rows.n_owned]] = rank
-            ghosts.append((rows.ids[rows.n_owned :], rows.image_shift[rows.n_owned :]))
-        return {"owners": owners, "ghosts": ghosts}
+        layouts = state.layouts or {self.comm.rank: state.rows}
+        if isinstance(layouts, list):
+            layouts = dict(enumerate(layouts))
+        ghosts = {
+            rank: (rows.ids[rows.n_owned :], rows.image_shift[rows.n_owned :])
+            for rank, rows in layouts.items()
+        }
+        return {"owners": state.owners, "ghosts": ghosts}
 
     def check_state(self, atoms: Atoms, tol: float = 1e-15) -> list[str]:
         """ASE's changes, plus ``"model inputs"`` when a declared input changed.
@@ -257,90 +381,59 @@ class ShardedCalculator(Calculator):
         atoms = self.atoms
         if self.inputs and atoms is not None:
             self._inputs_digest = self.inputs.digest(atoms, self.parameters)
+        request = self._request(atoms, properties, system_changes)
         if self._driven:
-            self.comm.bcast(CALCULATE)
+            self.comm.bcast((CALCULATE, request))
         else:
             self.comm.rendezvous(
                 self.timeout, "calculate too (do all ranks hold the same Atoms and call it?)"
             )
         try:
-            self._calculate(atoms)
+            self._calculate(atoms, request)
         except BaseException:
             # the next call starts from a fresh decomposition on every rank
-            self._block = self._root_state = None
+            self._state = self._block = None
             self._inputs_digest = None
             raise
 
-    def _calculate(self, atoms: Atoms | None) -> None:
+    def _request(self, atoms: Atoms, properties, system_changes) -> _Request:
+        """What this call needs, from the rank(s) holding ``atoms``; never raises."""
+        request = _Request(
+            n_atoms=len(atoms),
+            cell=atoms.cell.array.copy(),
+            pbc=atoms.pbc.copy(),
+            changed=bool({"numbers", "pbc"} & set(system_changes)),
+            properties=tuple(properties),
+            has_stress=atoms.cell.rank == 3,
+        )
+        if self.inputs:
+            try:
+                shapes = self.inputs.per_atom_arrays(atoms)
+                request.input_shapes = {k: list(v.shape[1:]) for k, v in shapes.items()}
+                request.system = self.inputs.system_values(atoms, self.parameters)
+            except Exception as exc:
+                request.error = describe(exc, self.comm.rank)
+        return request
+
+    def _calculate(self, atoms: Atoms | None, request: _Request) -> None:
         """One collective evaluation; ``atoms`` is ``None`` on serving ranks."""
         comm, timer = self.comm, self.timer
+        self._calls += 1
+        reason, deformation = self._forced_rebuild(request)
+        nodes = None
+        if reason is None and request.error is None:
+            with timer.phase("scatter"):
+                nodes = self._fetch_nodes(atoms, request)
         with timer.phase("validate"):
-            plan = self._agree_on_system(atoms)
-        rebuild_now, cell = plan["rebuild"], np.array(plan["cell"])
-        n_rows, n_owned, n_nodes, n_send = plan["counts"][comm.rank]
-        root = self._root_state
-
-        with timer.phase("scatter"):
-            if rebuild_now:
-                self.rebuilds += 1
-                meta = comm.scatter_rows(
-                    [
-                        np.column_stack([r.ids, r.image_shift, atoms.numbers[r.ids], r.node])
-                        for r in root["layout"]
-                    ]
-                    if comm.is_root
-                    else None,
-                    n_rows,
-                    (6,),
-                    np.int64,
-                )
-                send_index = comm.scatter_rows(
-                    [r.send_index for r in root["layout"]] if comm.is_root else None,
-                    n_send,
-                    (),
-                    np.int64,
-                )
-            # every row at a rebuild (for the neighbour list), then the nodes only;
-            # per-atom model inputs travel in the same rows, after the positions
-            part = "rows" if rebuild_now else "nodes"
-            shapes = plan.get("input_shapes", {})
-            width = 3 + sum(int(np.prod(shape, dtype=np.int64)) for shape in shapes.values())
-            row_data = comm.scatter_rows(
-                np.split(
-                    np.concatenate(
-                        [atoms.positions[root[part]], pack(root["inputs"], root[part])], axis=1
-                    ),
-                    root[part + "_splits"],
-                )
-                if comm.is_root
-                else None,
-                n_rows if rebuild_now else n_nodes,
-                (width,),
-                np.float64,
-            )
-            row_positions = row_data[:, :3]
-            node_inputs = unpack(row_data[:n_nodes, 3:], shapes)
+            reason = self._agree(atoms, request, reason, nodes, deformation)
+        if reason is not None:
+            nodes = self._rebuild(atoms, request, reason)
+        state, block = self._state, self._block
 
         error, rows = None, None
-        if rebuild_now:
-            try:
-                self._block = self._build_block(
-                    meta, send_index, n_owned, n_nodes, row_positions, cell, plan
-                )
-            except Exception as exc:
-                error = describe(exc, comm.rank)
-            if self._compiled is not None:
-                # every rank pads to the same sizes, so they (re)compile together
-                needed = self._block.needed() if error is None else Capacities()
-                self._capacity = self._capacity.grown(Capacities.largest(comm.allgather(needed)))
-                if error is None:
-                    self._block.pad(self._capacity)
         try:
-            if error is not None:
-                raise _Failed
-            rows = self._block.evaluate(
-                row_positions[:n_nodes], cell, self.dtype, node_inputs, plan.get("system")
-            )
+            inputs = unpack(nodes[:, 3:], request.input_shapes)
+            rows = block.evaluate(nodes[:, :3], request.cell, self.dtype, inputs, request.system)
             rows = rows.cpu().numpy()
             # the closing status vote (see ase_shard.exchange)
             if comm.any(False):
@@ -348,229 +441,407 @@ class ShardedCalculator(Calculator):
         except PeerFailure as exc:
             error = describe(exc, comm.rank)
         except Exception as exc:
-            error = error or describe(exc, comm.rank)
+            error = describe(exc, comm.rank)
             comm.any(True)
-        if rows is None:
-            rows = np.zeros((n_nodes, RESULT_COLUMNS))
 
         with timer.phase("gather"):
-            errors = comm.gather(error)
-            gathered = comm.gather_rows(rows, [c[2] for c in plan["counts"]])
-            status, buffer = None, None
-            if comm.is_root:
-                failed = [e for e in errors if e is not None]
+            # after the vote every rank knows whether some rank failed
+            if error is not None:
+                failed = [e for e in comm.allgather(error) if e is not None]
                 # report the ranks that failed, not those that stopped for them
-                status = [e for e in failed if e[1] != PeerFailure.__qualname__] or failed or None
-                if not failed:
-                    buffer = self._assemble(atoms, gathered)
-            status = comm.bcast(status)
-            if status:
-                raise rebuild(status)
-            n_atoms = plan["n_atoms"]
-            size = 1 + 4 * n_atoms + (6 + 6 * n_atoms if plan["stress"] else 0)
-            buffer = comm.bcast_array(buffer if buffer is not None else np.empty(size))
-        if atoms is not None:
-            self._store(atoms, buffer)
+                raise rebuild([e for e in failed if e[1] != PeerFailure.__qualname__] or failed)
+            self._gather(atoms, request, state, rows)
 
-    def _build_block(self, meta, send_index, n_owned, n_nodes, row_positions, cell, plan):
-        exchange = None
-        if self.parameters["halo"] == "layer":
-            counts = np.asarray(plan["exchange_counts"])
-            rank = self.comm.rank
-            exchange = HaloExchange(
-                self.comm,
-                n_owned,
-                send_index,
-                counts[rank],
-                counts[:, rank],
-                self.device,
-                self._exchange_handle,
-            )
-            self._exchange_handle = exchange.handle  # kept: compiled models specialise on it
-        return LocalBlock(
-            meta[:, 0],
-            meta[:, 4],
-            meta[:, 1:4],
-            meta[:, 5],
-            n_owned,
-            n_nodes,
-            self.model,
-            self.skin,
-            row_positions,
-            cell,
-            self.device,
-            exchange,
-            self.timer,
-            self._compiled,
-        )
+    # -- 1. agree on the system and on a rebuild -------------------------------------------
 
-    def _agree_on_system(self, atoms: Atoms) -> dict:
-        """Validate, decide on a rebuild and plan it on rank 0; agree everywhere.
+    def _forced_rebuild(self, request: _Request) -> tuple[str | None, np.ndarray | None]:
+        """A rebuild reason every rank sees alike, and the cell deformation since the build.
 
-        One collective: every rank learns rank 0's plan (or error) and every
-        rank's fingerprint, so all raise the same error or none does.
+        The deformation ``F`` (``cell = cell_at_build @ F``) is ``None`` when
+        the cell did not change or a rebuild is due anyway.
+        """
+        state = self._state
+        if state is None:
+            return "first call", None
+        if request.n_atoms != state.n_atoms or request.changed:
+            return "atoms or pbc changed", None
+        if (request.cell == state.cell).all():
+            return None, None
+        if np.count_nonzero(state.cell.any(axis=1)) < 3:
+            return "cell changed", None
+        try:
+            deformation = np.linalg.solve(state.cell, request.cell)
+        except np.linalg.LinAlgError:
+            return "cell changed", None
+        if _strain(deformation) >= 0.5:
+            return "cell changed", None
+        return None, deformation
+
+    def _agree(
+        self,
+        atoms: Atoms | None,
+        request: _Request,
+        reason: str | None,
+        nodes: np.ndarray | None,
+        deformation: np.ndarray | None,
+    ) -> str | None:
+        """Validate, vote on a rebuild and check the ranks' copies: one allgather.
+
+        Each rank looks at its own share only: the owned rows it evaluates (or,
+        before a rebuild, one slice of the atoms) and two slices of the
+        same-Atoms check. Every rank then raises the same error, or returns
+        the same rebuild reason (``None``: reuse).
         """
         comm = self.comm
-        plan, error = None, None
-        if comm.is_root:
-            try:
-                plan = self._plan(atoms)
-            except Exception as exc:
-                error = describe(exc, 0)
-        mine = None
-        if comm.size > 1 and not self._driven:
-            # the inputs' digest was taken in calculate()
-            mine = (fingerprint(atoms), self._inputs_digest)
-        views = comm.allgather((mine, error, plan))
-        root_print, root_error, plan = views[0]
-        if root_error is not None:
-            raise rebuild([root_error])
-        differing = {
-            rank: differing_fields(root_print[0], view[0][0])
-            + (["model inputs"] if view[0][1] != root_print[1] else [])
-            for rank, view in enumerate(views)
-            if view[0] != root_print
-        }
-        if differing:
-            detail = "; ".join(f"rank {r}: {', '.join(f)}" for r, f in differing.items())
-            raise ValueError(
-                "ranks hold different Atoms than rank 0 (" + detail + "). Under mpirun every "
-                "rank must build and move the same system: seed random numbers identically "
-                "(e.g. Langevin(..., rng=np.random.default_rng(seed)))"
+        spmd = comm.size > 1 and not self._driven
+        # in worker mode the request, and its error, came from rank 0
+        error = request.error if comm.is_root or not self._driven else None
+        own_reason, share = reason, None
+        try:
+            validate_cell(request.cell, request.pbc)
+            if nodes is not None:
+                self._validate_rows(nodes, request)
+                own_reason = self._displacement_reason(nodes, deformation)
+            elif not self._driven:
+                # before a rebuild, each rank checks one slice of every atom
+                span = slice_bounds(len(atoms), comm.size, comm.rank)
+                ids = np.arange(span.start, span.stop)
+                validate_positions(atoms.positions[span], ids)
+        except Exception as exc:
+            error = error or describe(exc, comm.rank)
+        if spmd:
+            slices = check_slices(comm.size, comm.rank, self._calls)
+            share = (
+                (request.n_atoms, checksum(request.cell), tuple(request.pbc.tolist())),
+                self._inputs_digest,
+                slice_checksums(atoms, slices, comm.size),
             )
-        return plan
+        views = comm.allgather((error, own_reason, share))
+        errors = [view[0] for view in views if view[0] is not None]
+        if errors:
+            raise rebuild(errors)
+        reason = next((view[1] for view in views if view[1] is not None), None)
+        if spmd and reason is None:
+            self._compare_shares([view[2] for view in views], request.n_atoms)
+        elif reason is not None and not self._driven:
+            self._compare_fingerprints(atoms)
+        return reason
 
-    def _plan(self, atoms: Atoms) -> dict:
-        """Rank 0: validate, and partition + find ghosts when a rebuild is due."""
-        validate(atoms, getattr(self.model, "atomic_types", None))
-        cell = atoms.cell.array.copy()
-        state = self._root_state
-        reason = self._rebuild_reason(atoms, state)
-        rebuild_now = reason is not None
-        if rebuild_now:
-            state = self._build_layout(atoms)
-            self._root_state = state
-            owned = [c[1] for c in state["counts"]]
-            nodes = [c[2] for c in state["counts"]]
-            logger.info(
-                "rebuild %d (%s): owned atoms per rank %d-%d, evaluated atoms per rank %d-%d",
-                self.rebuilds + 1,
-                reason,
-                min(owned),
-                max(owned),
-                min(nodes),
-                max(nodes),
-            )
-        plan = {
-            "rebuild": rebuild_now,
-            "counts": state["counts"],
-            "cell": cell.tolist(),
-            "n_atoms": len(atoms),
-            "stress": atoms.cell.rank == 3,
-        }
-        if rebuild_now:
-            plan["exchange_counts"] = [r.send_counts.tolist() for r in state["layout"]]
-        state["inputs"] = self.inputs.per_atom_arrays(atoms)
-        bad = [name for name, value in state["inputs"].items() if not np.isfinite(value).all()]
-        if bad:
-            raise ValueError(f"per-atom model inputs {bad} are not finite")
-        if self.inputs:
-            plan["input_shapes"] = {k: list(v.shape[1:]) for k, v in state["inputs"].items()}
-            plan["system"] = self.inputs.system_values(atoms, self.parameters)
-        return plan
+    def _displacement_reason(
+        self, nodes: np.ndarray, deformation: np.ndarray | None
+    ) -> str | None:
+        """Why pair distances may have changed by more than the skin (owned atoms only).
 
-    def _rebuild_reason(self, atoms: Atoms, state: dict | None) -> str | None:
-        """Why the decomposition must be rebuilt, or ``None`` to reuse it.
-
-        Reuse is safe while every pair now within the receptive field ``W`` was
+        Reuse is safe while every pair now within the halo reach ``W`` was
         within ``W + skin`` at the build. With the cell deformed by ``F`` (a
         barostat) and each atom displaced by ``u_i`` beyond that affine map, a
         pair vector changes by at most ``|F - I| |d0| + 2 max |u|``, which
         gives the test ``(W |F - I| + 2 max |u|) / (1 - |F - I|) <= skin``.
-        Without a cell change this is the usual ``max |u| <= skin / 2``.
+        Without a cell change this is the usual ``max |u| <= skin / 2``. The
+        ranks combine their own atoms' verdicts.
         """
-        if state is None:
-            return "first call"
-        reference = state["atoms"]
-        if (
-            len(atoms) != len(reference)
-            or (atoms.numbers != reference.numbers).any()
-            or (atoms.pbc != reference.pbc).any()
-        ):
-            return "atoms or pbc changed"
-        if len(atoms) == 0:
-            return None
-        cell, cell0 = atoms.cell.array, reference.cell.array
-        affine = reference.positions
-        strain = 0.0
-        if (cell != cell0).any():
-            if reference.cell.rank < 3:
-                return "cell changed"
-            deformation = np.linalg.solve(cell0, cell)  # cell = cell0 @ deformation
-            affine = reference.positions @ deformation
-            strain = np.linalg.norm(deformation - np.eye(3), ord=2)
-            if strain >= 0.5:
-                return "cell changed"
-        displacement = np.sqrt(((atoms.positions - affine) ** 2).sum(axis=1).max())
-        reach = self.halo_reach
-        growth = (reach * strain + 2.0 * displacement) / (1.0 - strain)
+        state = self._state
+        moved = nodes[: state.rows.n_owned, :3] - (
+            state.owned_positions if deformation is None else state.owned_positions @ deformation
+        )
+        strain = 0.0 if deformation is None else _strain(deformation)
+        displacement = np.sqrt(np.einsum("ij,ij->i", moved, moved).max(initial=0.0))
+        growth = (self.halo_reach * strain + 2.0 * displacement) / (1.0 - strain)
         if growth > self.skin:
             return f"pair distances may have changed by {growth:.3f} Å > skin"
         return None
 
-    def _build_layout(self, atoms: Atoms) -> dict:
-        comm, timer = self.comm, self.timer
-        with timer.phase("partition"):
-            pbc = atoms.pbc.copy()
-            coords = frame_coordinates(atoms.positions, atoms.cell.array, pbc)
-            width = self.halo_reach + self.skin
-            # a driving rank 0 that only runs ASE (notebook mode) owns nothing
-            first = int(self._idle_root)
-            n_compute = comm.size - first
-            if self.parameters["partition"] == "spatial":
-                grid = self.parameters["grid"] or choose_grid(coords, pbc, n_compute, width)
-                owners = spatial_owners(coords, tuple(grid)) + first
-            else:
-                owners = contiguous_owners(len(atoms), n_compute) + first
-        with timer.phase("halo"):
-            layout = rank_rows(
-                coords, pbc, owners, comm.size, width, self.parameters["halo"] == "layer"
-            )
-            rows = np.concatenate([r.ids for r in layout])
-            nodes = np.concatenate([r.ids[: r.n_nodes] for r in layout])
-        return {
-            "atoms": atoms.copy(),
-            "layout": layout,
-            "rows": rows,
-            "rows_splits": np.cumsum([len(r.ids) for r in layout])[:-1],
-            "nodes": nodes,
-            "nodes_splits": np.cumsum([r.n_nodes for r in layout])[:-1],
-            "gather_index": torch.from_numpy(nodes),
-            "counts": [(len(r.ids), r.n_owned, r.n_nodes, len(r.send_index)) for r in layout],
+    def _validate_rows(self, nodes: np.ndarray, request: _Request) -> None:
+        """Finite positions and inputs of this rank's owned atoms."""
+        rows = self._state.rows
+        validate_positions(nodes[: rows.n_owned, :3], rows.ids[: rows.n_owned])
+        finite = np.isfinite(nodes[: rows.n_owned, 3:]).all(axis=0)
+        if not finite.all():
+            shapes = request.input_shapes
+            widths = [int(np.prod(shape, dtype=np.int64)) for shape in shapes.values()]
+            names = np.repeat(np.array(list(shapes), dtype=object), widths)
+            raise ValueError(f"per-atom model inputs {sorted(set(names[~finite]))} are not finite")
+
+    def _compare_shares(self, shares: list, n_atoms: int) -> None:
+        """Reuse step: the ranks' small fields and checked slices must agree."""
+        differing = []
+        for rank, share in enumerate(shares):
+            fields = [
+                name
+                for name, a, b in zip(
+                    ("number of atoms", "cell", "pbc"), shares[0][0], share[0], strict=True
+                )
+                if a != b
+            ] + (["model inputs"] if share[1] != shares[0][1] else [])
+            if fields:
+                differing.append(f"rank {rank}: {', '.join(fields)}")
+        if not differing:
+            differing = slice_disagreements([share[2] for share in shares], n_atoms, self._calls)
+        if differing:
+            raise _diverged("; ".join(differing))
+
+    def _compare_fingerprints(self, atoms: Atoms) -> None:
+        """Rebuild: every rank's whole copy against rank 0's, and its elements.
+
+        One more allgather; the elements are checked on every rank, so with
+        agreeing copies every rank finds the same error.
+        """
+        error = None
+        try:
+            validate_numbers(atoms.numbers, getattr(self.model, "atomic_types", None))
+        except ValueError as exc:
+            error = describe(exc, 0)
+        views = self.comm.allgather((fingerprint(atoms), self._inputs_digest))
+        reference = views[0]
+        differing = {
+            rank: differing_fields(reference[0], view[0])
+            + (["model inputs"] if view[1] != reference[1] else [])
+            for rank, view in enumerate(views)
+            if view != reference
         }
+        if differing:
+            raise _diverged("; ".join(f"rank {r}: {', '.join(f)}" for r, f in differing.items()))
+        if error is not None:
+            raise rebuild([error])
 
-    def _assemble(self, atoms: Atoms, gathered: np.ndarray) -> np.ndarray:
-        """Rank 0: sum every rank's rows into owners; pack the results."""
-        n = len(atoms)
-        total = torch.zeros((n, RESULT_COLUMNS), dtype=torch.float64)
-        total.index_add_(0, self._root_state["gather_index"], torch.from_numpy(gathered))
-        total = total.numpy()
-        energies = total[:, 0]
-        parts = [[energies.sum()], energies, total[:, 1:4].ravel()]
-        if atoms.cell.rank == 3:
-            stresses = total[:, 4:] / atoms.get_volume()
-            parts += [stresses.sum(axis=0), stresses.ravel()]
-        return np.concatenate(parts)
+    # -- 2. rebuild --------------------------------------------------------------------------
 
-    def _store(self, atoms: Atoms, buffer: np.ndarray) -> None:
-        n = len(atoms)
-        energy = float(buffer[0])
-        self.results["energy"] = self.results["free_energy"] = energy
-        self.results["energies"] = buffer[1 : 1 + n].copy()
-        self.results["forces"] = buffer[1 + n : 1 + 4 * n].reshape(n, 3).copy()
-        if atoms.cell.rank == 3:
-            self.results["stress"] = buffer[1 + 4 * n : 7 + 4 * n].copy()
-            self.results["stresses"] = buffer[7 + 4 * n :].reshape(n, 6).copy()
+    def _rebuild(self, atoms: Atoms | None, request: _Request, reason: str) -> np.ndarray:
+        """Partition, find ghosts, exchange the plan and build the block; the node rows."""
+        comm = self.comm
+        self.rebuilds += 1
+        self._state = self._block = None
+        if self._driven:
+            state = self._plan_from_root(atoms, request)
+        else:
+            state = self._plan_locally(atoms, request)
+        rows = state.rows
+        state.exchange = HaloExchange(
+            comm,
+            rows.n_owned,
+            rows.send_index,
+            rows.send_counts,
+            rows.recv_counts,
+            self.device,
+            self._exchange_handle,
+        )
+        self._exchange_handle = state.exchange.handle  # kept: compiled models specialise on it
+        self._state = state
+        with self.timer.phase("scatter"):
+            nodes = self._fetch_nodes(atoms, request)
+        state.owned_positions = nodes[: rows.n_owned, :3].copy()
+        error, needed = None, None
+        try:
+            self._validate_rows(nodes, request)
+            self._block = LocalBlock(
+                rows,
+                state.numbers,
+                nodes[:, :3],
+                request.cell,
+                self.model,
+                self.skin,
+                self.device,
+                state.exchange if self.parameters["halo"] == "layer" else None,
+                self.timer,
+                self._compiled,
+            )
+            needed = self._block.needed()
+        except Exception as exc:
+            error = describe(exc, comm.rank)
+        counts = (len(rows.ids), rows.n_owned, rows.n_nodes, len(rows.send_index))
+        views = comm.allgather((error, counts, needed))
+        errors = [view[0] for view in views if view[0] is not None]
+        if errors:
+            raise rebuild(errors)
+        state.counts = np.array([view[1] for view in views], dtype=np.int64)
+        if self._compiled is not None:
+            # every rank pads to the same sizes, so they (re)compile together
+            self._capacity = self._capacity.grown(Capacities.largest([v[2] for v in views]))
+            self._block.pad(self._capacity)
+        if comm.is_root:
+            owned, evaluated = state.counts[:, 1], state.counts[:, 2]
+            logger.info(
+                "rebuild %d (%s): owned atoms per rank %d-%d, evaluated atoms per rank %d-%d",
+                self.rebuilds,
+                reason,
+                owned.min(),
+                owned.max(),
+                evaluated.min(),
+                evaluated.max(),
+            )
+        return nodes
+
+    def _owners(self, coords: FrameCoordinates, pbc: np.ndarray) -> np.ndarray:
+        """Owner rank of every atom: the same deterministic rule on every rank."""
+        # a driving rank 0 that only runs ASE (notebook mode) owns nothing
+        first = int(self._idle_root)
+        n_compute = self.comm.size - first
+        if self.parameters["partition"] == "contiguous":
+            return contiguous_owners(len(coords.s), n_compute) + first
+        width = self.halo_reach + self.skin
+        grid = self.parameters["grid"] or choose_grid(coords, pbc, n_compute, width)
+        return spatial_owners(coords, tuple(grid)) + first
+
+    def _plan_locally(self, atoms: Atoms, request: _Request) -> _Decomposition:
+        """SPMD: owners of all atoms, this rank's own ghosts, the plan by all-to-all."""
+        comm, timer = self.comm, self.timer
+        error = None
+        try:
+            with timer.phase("partition"):
+                coords = frame_coordinates(atoms.positions, request.cell, request.pbc)
+                owners = self._owners(coords, request.pbc)
+            with timer.phase("halo"):
+                width = self.halo_reach + self.skin
+                fold = self.parameters["halo"] == "layer"
+                rows = local_rows(coords, request.pbc, owners, comm.rank, comm.size, width, fold)
+        except Exception as exc:  # e.g. out of memory on one rank: no rank may wait alone
+            error = describe(exc, comm.rank)
+        errors = [e for e in comm.allgather(error) if e is not None]
+        if errors:
+            raise rebuild(errors)
+        with timer.phase("halo"):
+            # LAMMPS's borders(): each owner learns which of its atoms the others need
+            rows.send_counts = comm.alltoall_counts(rows.recv_counts)
+            rows.send_index = comm.alltoallv_rows(
+                rows.requests, rows.recv_counts, rows.send_counts
+            )
+        return _Decomposition(
+            n_atoms=request.n_atoms,
+            cell=request.cell,
+            rows=rows,
+            numbers=atoms.numbers[rows.ids[: rows.n_nodes]],
+            owners=owners,
+            order=_order(owners),
+        )
+
+    def _plan_from_root(self, atoms: Atoms | None, request: _Request) -> _Decomposition:
+        """Worker mode: rank 0 lays out every rank and sends each its rows."""
+        comm, timer = self.comm, self.timer
+        plan, layouts, owners = None, None, None
+        if comm.is_root:
+            try:
+                validate(atoms, getattr(self.model, "atomic_types", None))
+                with timer.phase("partition"):
+                    coords = frame_coordinates(atoms.positions, request.cell, request.pbc)
+                    owners = self._owners(coords, request.pbc)
+                with timer.phase("halo"):
+                    width = self.halo_reach + self.skin
+                    fold = self.parameters["halo"] == "layer"
+                    layouts = rank_rows(coords, request.pbc, owners, comm.size, width, fold)
+                sends = [r.send_counts.tolist() for r in layouts]
+                plan = (None, sends, [(len(r.ids), r.n_owned, r.n_nodes) for r in layouts])
+            except Exception as exc:
+                plan = (describe(exc, 0), None, None)
+        with timer.phase("scatter"):
+            error, sends, sizes = comm.bcast(plan)
+            if error is not None:
+                raise rebuild([error])
+            sends, sizes = np.array(sends, dtype=np.int64), np.array(sizes, dtype=np.int64)
+            meta, send_index = None, None
+            if comm.is_root:
+                meta = np.concatenate(
+                    [
+                        np.column_stack([r.ids, r.image_shift, atoms.numbers[r.ids], r.node])
+                        for r in layouts
+                    ]
+                )
+                send_index = np.concatenate([r.send_index for r in layouts])
+            meta = comm.scatter_rows(meta, sizes[:, 0], (6,), np.int64)
+            send_index = comm.scatter_rows(send_index, sends.sum(axis=1), (), np.int64)
+        n_nodes = int(sizes[comm.rank, 2])
+        rows = RankRows(
+            ids=meta[:, 0].copy(),
+            image_shift=meta[:, 1:4].copy(),
+            n_owned=int(sizes[comm.rank, 1]),
+            node=meta[:, 5].copy(),
+            n_nodes=n_nodes,
+            recv_counts=sends[:, comm.rank].copy(),
+            requests=np.zeros(0, dtype=np.int64),
+            send_index=send_index,
+            send_counts=sends[comm.rank].copy(),
+        )
+        state = _Decomposition(
+            n_atoms=request.n_atoms,
+            cell=request.cell,
+            rows=rows,
+            numbers=meta[:n_nodes, 4].copy(),
+            node_counts=sizes[:, 2],
+        )
+        if comm.is_root:
+            state.owners, state.layouts = owners, layouts
+            state.order = _order(owners)
+            state.root_nodes = np.concatenate([r.ids[: r.n_nodes] for r in layouts])
+        return state
+
+    # -- 3. node rows and evaluation ---------------------------------------------------------
+
+    def _fetch_nodes(self, atoms: Atoms | None, request: _Request) -> np.ndarray:
+        """This rank's node rows: positions (Å), then the per-atom model inputs.
+
+        SPMD: read from this rank's own ``atoms``. Worker mode: rank 0 sends
+        each rank its rows (one ``Scatterv``).
+        """
+        state = self._state
+        if not self._driven:
+            return self._node_rows(atoms, state.node_ids)
+        width = 3 + sum(int(np.prod(s, dtype=np.int64)) for s in request.input_shapes.values())
+        send = self._node_rows(atoms, state.root_nodes) if self.comm.is_root else None
+        return self.comm.scatter_rows(send, state.node_counts, (width,), np.float64)
+
+    def _node_rows(self, atoms: Atoms, ids: np.ndarray | slice) -> np.ndarray:
+        """Positions and packed per-atom inputs of the atoms ``ids``."""
+        if not self.inputs.per_atom:
+            return atoms.positions[ids]
+        arrays = self.inputs.per_atom_arrays(atoms)
+        return np.concatenate([atoms.positions[ids], pack(arrays, ids)], axis=1)
+
+    # -- 4. results on their owners, then on every rank --------------------------------------
+
+    def _gather(
+        self, atoms: Atoms | None, request: _Request, state: _Decomposition, columns: np.ndarray
+    ) -> None:
+        """Ghost nodes' results into their owners, then owned results to every rank.
+
+        ``columns`` is the block's ``(10, n_nodes)`` result. Energy and virial
+        are summed per rank, then over the ranks in rank order, so every rank
+        gets the same bits. Per-atom results travel only when ASE asked for
+        them (to every rank under SPMD, to rank 0 in worker mode).
+        """
+        comm = self.comm
+        # energies are on owned nodes only; ghost virials count towards the total
+        partial = np.concatenate(
+            [columns[0, : state.rows.n_owned].sum(keepdims=True), columns[4:].sum(axis=1)]
+        )
+        wanted = [
+            (name, rows)
+            for name, rows in _PER_ATOM
+            if name in request.properties and (name != "stresses" or request.has_stress)
+        ]
+        collect = comm.gather_rows if self._driven else comm.allgather_rows
+        totals = collect(partial[None], np.ones(comm.size, dtype=np.int64))
+        values = None
+        if wanted:
+            selected = columns[[row for _, rows in wanted for row in rows]]
+            owned = state.exchange.sum_into_owned_columns(selected)
+            values = collect(np.ascontiguousarray(owned.T), state.counts[:, 1])
+        if atoms is None:
+            return
+        totals = totals.sum(axis=0)
+        self.results["energy"] = self.results["free_energy"] = float(totals[0])
+        if request.has_stress:
+            self.results["stress"] = totals[1:] / atoms.get_volume()
+        start = 0
+        for name, rows in wanted:
+            part = values[:, start : start + len(rows)]
+            start += len(rows)
+            if state.order is None:
+                result = part.copy()
+            else:
+                result = np.empty_like(part)
+                result[state.order] = part
+            if name == "stresses":
+                result /= atoms.get_volume()
+            self.results[name] = result[:, 0] if name == "energies" else result
 
     def close(self) -> None:
         """Release the serving ranks (worker/notebook mode); safe to call twice.
@@ -579,7 +850,7 @@ class ShardedCalculator(Calculator):
         """
         if self._driven and self.comm.is_root:
             self._driven = False
-            self.comm.bcast(CLOSE)
+            self.comm.bcast((CLOSE, None))
             for release in self._on_close:
                 release()
             self._on_close.clear()

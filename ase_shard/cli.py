@@ -53,7 +53,18 @@ from ase.md.verlet import VelocityVerlet
 from ase.parallel import parprint, world
 
 import ase_shard
-from ase_shard.bench import ML_MODELS, BenchSettings, format_summary, plot_report, run_benchmark
+from ase_shard.bench import (
+    ML_MODELS,
+    NO_EDGE,
+    BenchSettings,
+    FrameworkSettings,
+    format_framework_summary,
+    format_summary,
+    no_edge_model,
+    plot_report,
+    run_benchmark,
+    run_framework,
+)
 from ase_shard.calculator import HALOS, ShardedCalculator
 from ase_shard.comm import Comm
 from ase_shard.models import EMT, LennardJones, Morse
@@ -439,16 +450,27 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
         "and on all ranks of the run, optionally ASE's own calculator, and the machine's "
         "speed-up ceiling (a fixed single-thread loop, alone and split over the ranks). "
         "Each over steps that reuse the decomposition and steps that rebuild it. Rank 0 "
-        "prints a summary and writes JSON and a PNG. Systems and --size as for `md`.",
+        "prints a summary and writes JSON and a PNG. Systems and --size as for `md`. "
+        "With --framework: what ShardedCalculator costs per MD step next to ASE's own "
+        "step. Every rank runs ASE's VelocityVerlet (1 fs, Maxwell-Boltzmann momenta at "
+        "300 K drawn with --seed) on the whole system twice, taking turns step by step: "
+        "with a calculator returning zeros (the baseline, timed as the whole step) and "
+        "with ShardedCalculator on all ranks (timed inside its calculate), on --reuse-steps "
+        "steps and --rebuild-steps steps that request a rebuild first. The model is "
+        f"'{NO_EDGE}' unless --model says otherwise: Lennard-Jones cut off at 0.3 Å, which "
+        "has no pairs, so the sharded time is the framework's own. Rank 0 prints the "
+        "medians, their ratio and each rank's CPU time per phase with MPI excluded, and "
+        "writes JSON (no PNG).",
     )
     bench.add_argument("structure", nargs="?", metavar="STRUCTURE", help="structure file")
     bench.add_argument("--system", choices=SYSTEMS, help="built-in system (default cu-bulk)")
     bench.add_argument("--size", type=int, help="size N of the built-in system")
     bench.add_argument(
         "--model",
-        choices=[*MODELS, *ML_MODELS],
-        help="potential (default: the system's); sevennet, mace and nequip are random-weight "
-        "models of the real architectures (packages sevenn / mace-torch / nequip)",
+        choices=[*MODELS, *ML_MODELS, NO_EDGE],
+        help="potential (default: the system's; with --framework no-edge); sevennet, mace and "
+        "nequip are random-weight models of the real architectures (packages sevenn / "
+        f"mace-torch / nequip); {NO_EDGE} has no pairs (0.3 Å cutoff; --framework only)",
     )
     bench.add_argument("--dtype", choices=("float64", "float32"), help="default: the model's")
     bench.add_argument("--ml-cutoff", type=float, default=5.0, help="ML models, Å (5)")
@@ -470,7 +492,9 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
         help="torch threads per rank (default: OMP_NUM_THREADS, else "
         "the calculator's share of the node's cores)",
     )
-    bench.add_argument("--seed", type=int, default=42, help="displacements, weights (42)")
+    bench.add_argument(
+        "--seed", type=int, default=42, help="displacements, weights, --framework momenta (42)"
+    )
     bench.add_argument(
         "--ase-reference", action="store_true", help="also time ASE's own EMT/LJ/Morse"
     )
@@ -482,7 +506,18 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument(
         "--ceiling-seconds", type=float, default=0.5, help="length of the ceiling loop (0.5 s)"
     )
-    bench.add_argument("--json", default="ase-shard-bench.json", help="report file")
+    bench.add_argument(
+        "--framework",
+        action="store_true",
+        help="measure the framework's cost per MD step against ASE's VelocityVerlet step "
+        "instead (see above); --ase-reference, --no-serial-reference, --ceiling-seconds "
+        "and the PNG do not apply",
+    )
+    bench.add_argument(
+        "--json",
+        help="report file (default ase-shard-bench.json; with --framework "
+        "ase-shard-framework.json)",
+    )
     bench.add_argument("--plot", default="ase-shard-bench.png", help="PNG (needs matplotlib)")
     bench.add_argument("--no-plot", action="store_true", help="write no PNG")
     bench.set_defaults(run=run_bench)
@@ -496,55 +531,82 @@ def run_bench(args: argparse.Namespace) -> int:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the calculator keeps it
         torch.set_num_threads(args.threads)
     atoms, defaults, label = load_system(args)
-    name = args.model or defaults.model
+    name = args.model or (NO_EDGE if args.framework else defaults.model)
+    if args.ase_reference and args.framework:
+        raise CLIError("--ase-reference does not apply to --framework")
     if args.ase_reference and name not in ASE_CALCULATORS:
         raise CLIError(f"--ase-reference needs one of {', '.join(ASE_CALCULATORS)}, not {name}")
+    if name == NO_EDGE and not args.framework:
+        raise CLIError(f"--model {NO_EDGE} is for --framework only")
+    model = bench_model(name, atoms, args)
+    steps = {
+        "reuse_steps": args.reuse_steps,
+        "rebuild_steps": args.rebuild_steps,
+        "skin": args.skin,
+        "seed": args.seed,
+        "calculator": {"partition": args.partition, "halo": args.halo, "device": args.device},
+    }
+    try:
+        if args.framework:
+            settings = FrameworkSettings(**steps)
+        else:
+            settings = BenchSettings(
+                **steps,
+                serial_reference=not args.no_serial_reference,
+                ceiling_seconds=args.ceiling_seconds,
+            )
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    mode = " --framework" if args.framework else ""
+    parprint(
+        f"ase-shard bench{mode}: {label}, {len(atoms)} atoms, {name} on {world.size} rank(s)",
+        flush=True,
+    )
+    arguments = {k: v for k, v in vars(args).items() if k != "run"}
+    labels = {"system": label, "model": name, "arguments": arguments}
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    if args.framework:
+        report = run_framework(atoms, model, settings, dtype=dtype, labels=labels)
+    else:
+        report = run_benchmark(
+            atoms,
+            model,
+            settings,
+            dtype=dtype,
+            ase_calculator=ASE_CALCULATORS[name] if args.ase_reference else None,
+            labels=labels,
+        )
+    if report is None:
+        return 0
+    path = args.json or ("ase-shard-framework.json" if args.framework else "ase-shard-bench.json")
+    with open(path, "w") as file:
+        json.dump(report, file, indent=1)
+    outputs = [path]
+    if args.framework:
+        summary = format_framework_summary(report)
+    else:
+        summary = format_summary(report)
+        if not args.no_plot:
+            plot_report(report, args.plot)
+            outputs.append(args.plot)
+    print(summary + "\n\n  wrote " + ", ".join(outputs), flush=True)
+    return 0
+
+
+def bench_model(name: str, atoms: Atoms, args: argparse.Namespace) -> torch.nn.Module:
+    """The model ``name`` of ``ase-shard bench``, built identically on every rank."""
+    if name == NO_EDGE:
+        return no_edge_model()
     if name in ML_MODELS:
         layers = {} if args.ml_layers is None else {"num_layers": args.ml_layers}
-        model = ML_MODELS[name](
+        return ML_MODELS[name](
             atoms.numbers,
             cutoff=args.ml_cutoff,
             channels=args.ml_channels,
             seed=args.seed,
             **layers,
         )
-    else:
-        model = MODELS[name]()
-    try:
-        settings = BenchSettings(
-            reuse_steps=args.reuse_steps,
-            rebuild_steps=args.rebuild_steps,
-            skin=args.skin,
-            seed=args.seed,
-            serial_reference=not args.no_serial_reference,
-            ceiling_seconds=args.ceiling_seconds,
-            calculator={"partition": args.partition, "halo": args.halo, "device": args.device},
-        )
-    except ValueError as exc:
-        raise CLIError(str(exc)) from None
-    parprint(
-        f"ase-shard bench: {label}, {len(atoms)} atoms, {name} on {world.size} rank(s)",
-        flush=True,
-    )
-    arguments = {k: v for k, v in vars(args).items() if k != "run"}
-    report = run_benchmark(
-        atoms,
-        model,
-        settings,
-        dtype=getattr(torch, args.dtype) if args.dtype else None,
-        ase_calculator=ASE_CALCULATORS[name] if args.ase_reference else None,
-        labels={"system": label, "model": name, "arguments": arguments},
-    )
-    if report is None:
-        return 0
-    with open(args.json, "w") as file:
-        json.dump(report, file, indent=1)
-    outputs = [args.json]
-    if not args.no_plot:
-        plot_report(report, args.plot)
-        outputs.append(args.plot)
-    print(format_summary(report) + "\n\n  wrote " + ", ".join(outputs), flush=True)
-    return 0
+    return MODELS[name]()
 
 
 # ----------------------------------------------------------------------------- info

@@ -2,8 +2,9 @@
 
 ``Comm`` wraps an mpi4py communicator (or stands in for one rank when mpi4py
 is absent or the process was not started by an MPI launcher). Bulk data moves
-as numpy buffers (``Scatterv``/``Gatherv``/``Bcast``); only small control
-messages are pickled.
+as numpy buffers (``Scatterv``/``Allgatherv``/``Alltoallv``); only small
+control messages are pickled. Every call's CPU time is added to
+``Comm.mpi_cpu``, so phase timings can leave MPI waits out.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -77,62 +79,110 @@ class Comm:
         self.mpi = comm
         self.rank = comm.Get_rank() if comm is not None else 0
         self.size = comm.Get_size() if comm is not None else 1
+        # CPU seconds spent inside MPI calls (waits included), for PhaseTimer
+        self.mpi_cpu = 0.0
+        # bytes of bulk data (buffers, not pickles) received from other ranks
+        self.received_bytes = 0
 
     @property
     def is_root(self) -> bool:
         return self.rank == 0
 
+    @contextmanager
+    def _call(self) -> Iterator[None]:
+        """Charge the enclosed MPI call's CPU time to :attr:`mpi_cpu`."""
+        start = time.process_time()
+        try:
+            yield
+        finally:
+            self.mpi_cpu += time.process_time() - start
+
     def bcast(self, obj: Any) -> Any:
         """Broadcast a small picklable object from rank 0."""
-        return obj if self.mpi is None else self.mpi.bcast(obj, root=0)
+        if self.mpi is None:
+            return obj
+        with self._call():
+            return self.mpi.bcast(obj, root=0)
 
     def allgather(self, obj: Any) -> list:
         """Every rank's small picklable object, in rank order."""
-        return [obj] if self.mpi is None else self.mpi.allgather(obj)
+        if self.mpi is None:
+            return [obj]
+        with self._call():
+            return self.mpi.allgather(obj)
 
     def gather(self, obj: Any) -> list | None:
         """Every rank's small object on rank 0 (``None`` elsewhere)."""
-        return [obj] if self.mpi is None else self.mpi.gather(obj, root=0)
-
-    def bcast_array(self, array: np.ndarray) -> np.ndarray:
-        """Broadcast ``array`` in place from rank 0 (same shape/dtype everywhere)."""
-        if self.mpi is not None:
-            self.mpi.Bcast(array, root=0)
-        return array
-
-    def scatter_rows(
-        self, chunks: Sequence[np.ndarray] | None, n_rows: int, row_shape: tuple, dtype
-    ) -> np.ndarray:
-        """Rank 0 sends ``chunks[r]`` to rank ``r``; returns this rank's rows.
-
-        ``n_rows`` is this rank's row count, known to it in advance.
-        """
-        recv = np.empty((n_rows, *row_shape), dtype=dtype)
         if self.mpi is None:
-            recv[...] = chunks[0]
-            return recv
-        if self.is_root:
-            counts = np.array([len(c) for c in chunks]) * int(np.prod(row_shape))
-            send = np.ascontiguousarray(np.concatenate(chunks), dtype=dtype)
-            self.mpi.Scatterv([send, counts, _mpi_type(dtype)], recv, root=0)
-        else:
-            self.mpi.Scatterv(None, recv, root=0)
+            return [obj]
+        with self._call():
+            return self.mpi.gather(obj, root=0)
+
+    def alltoall_counts(self, counts: np.ndarray) -> np.ndarray:
+        """``counts[r]`` goes to rank ``r``; returns what each rank sent here."""
+        counts = np.ascontiguousarray(counts, dtype=np.int64)
+        if self.mpi is None:
+            return counts.copy()
+        recv = np.empty_like(counts)
+        with self._call():
+            self.mpi.Alltoall(counts, recv)
         return recv
 
-    def gather_rows(self, rows: np.ndarray, counts: Sequence[int] | None) -> np.ndarray | None:
-        """Concatenate every rank's ``rows`` on rank 0 (``counts``: rows per rank)."""
+    def allgather_rows(self, rows: np.ndarray, counts: Sequence[int]) -> np.ndarray:
+        """Every rank's ``rows`` concatenated in rank order, on every rank.
+
+        ``counts`` holds each rank's row count (known to all); one
+        ``Allgatherv`` of bytes, so any dtype and row shape.
+        """
+        rows = np.ascontiguousarray(rows)
+        if self.mpi is None:
+            return rows
+        recv = np.empty((int(np.sum(counts)), *rows.shape[1:]), dtype=rows.dtype)
+        with self._call():
+            self.mpi.Allgatherv(_bytes(rows), [_bytes(recv), _byte_sizes(recv, counts)])
+        self.received_bytes += recv.nbytes - rows.nbytes
+        return recv
+
+    def gather_rows(self, rows: np.ndarray, counts: Sequence[int]) -> np.ndarray | None:
+        """Every rank's ``rows`` concatenated in rank order on rank 0 (``None`` elsewhere).
+
+        ``counts`` (rows per rank) is needed on rank 0 only.
+        """
         rows = np.ascontiguousarray(rows)
         if self.mpi is None:
             return rows
         recv = None
         if self.is_root:
-            row_size = int(np.prod(rows.shape[1:]))
-            recv = np.empty((int(sum(counts)), *rows.shape[1:]), dtype=rows.dtype)
-            sizes = np.asarray(counts) * row_size
-            recv_spec = [recv, sizes, _mpi_type(rows.dtype)]
-            self.mpi.Gatherv(rows, recv_spec, root=0)
-        else:
-            self.mpi.Gatherv(rows, None, root=0)
+            recv = np.empty((int(np.sum(counts)), *rows.shape[1:]), dtype=rows.dtype)
+        with self._call():
+            if self.is_root:
+                self.mpi.Gatherv(_bytes(rows), [_bytes(recv), _byte_sizes(recv, counts)], root=0)
+            else:
+                self.mpi.Gatherv(_bytes(rows), None, root=0)
+        if self.is_root:
+            self.received_bytes += recv.nbytes - rows.nbytes
+        return recv
+
+    def scatter_rows(
+        self, rows: np.ndarray | None, counts: Sequence[int], row_shape: tuple, dtype
+    ) -> np.ndarray:
+        """Rank 0 sends rank ``r`` its block of ``counts[r]`` consecutive ``rows``.
+
+        ``rows`` (rank 0 only) holds rank 0's rows, then rank 1's, ...; every
+        rank passes ``counts`` (rows per rank), ``row_shape`` and ``dtype``.
+        """
+        recv = np.empty((int(counts[self.rank]), *row_shape), dtype=dtype)
+        if self.mpi is None:
+            recv[...] = rows
+            return recv
+        send = None
+        if self.is_root:
+            rows = np.ascontiguousarray(rows, dtype=dtype)
+            send = [_bytes(rows), _byte_sizes(rows, counts)]
+        with self._call():
+            self.mpi.Scatterv(send, _bytes(recv), root=0)
+        if not self.is_root:
+            self.received_bytes += recv.nbytes
         return recv
 
     def alltoallv_rows(
@@ -148,16 +198,14 @@ class Comm:
         if self.mpi is None:
             recv[...] = send
             return recv
-        from mpi4py import MPI
-
         # counted in bytes, so one call moves any dtype and feature shape
-        row_bytes = send.dtype.itemsize * int(np.prod(send.shape[1:], dtype=np.int64))
-        spec = []
-        for buffer, counts in ((send, send_counts), (recv, recv_counts)):
-            sizes = np.asarray(counts, dtype=np.int64) * row_bytes
-            offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-            spec.append([buffer.reshape(-1).view(np.uint8), (sizes, offsets), MPI.BYTE])
-        self.mpi.Alltoallv(spec[0], spec[1])
+        with self._call():
+            self.mpi.Alltoallv(
+                [_bytes(send), _byte_sizes(send, send_counts)],
+                [_bytes(recv), _byte_sizes(recv, recv_counts)],
+            )
+        own = int(np.asarray(recv_counts)[self.rank]) * (recv.nbytes // max(len(recv), 1))
+        self.received_bytes += recv.nbytes - own
         return recv
 
     def rendezvous(self, timeout: float | None, waiting_for: str) -> None:
@@ -172,6 +220,10 @@ class Comm:
         """
         if self.mpi is None or self.size == 1:
             return
+        with self._call():
+            self._wait_for_all(timeout, waiting_for)
+
+    def _wait_for_all(self, timeout: float | None, waiting_for: str) -> None:
         request = self.mpi.Ibarrier()
         start, pause = time.monotonic(), 1e-6
         while not request.Test():
@@ -195,7 +247,10 @@ class Comm:
 
     def any(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on any rank."""
-        return bool(flag) if self.mpi is None else bool(self.mpi.allreduce(bool(flag), op=_lor()))
+        if self.mpi is None:
+            return bool(flag)
+        with self._call():
+            return bool(self.mpi.allreduce(bool(flag), op=_lor()))
 
     def node_placement(self) -> tuple[int, int]:
         """``(rank, size)`` among the processes of this communicator on this node."""
@@ -245,10 +300,16 @@ def rebuild(summaries: Sequence[tuple]) -> BaseException:
     return error
 
 
-def _mpi_type(dtype):
-    from mpi4py import MPI
+def _bytes(array: np.ndarray) -> np.ndarray:
+    """The bytes of a C-contiguous array, as a flat uint8 view."""
+    return array.reshape(-1).view(np.uint8)
 
-    return MPI._typedict[np.dtype(dtype).char]
+
+def _byte_sizes(array: np.ndarray, counts: Sequence[int]) -> tuple:
+    """``(sizes, offsets)`` in bytes of consecutive blocks of ``counts`` rows of ``array``."""
+    row_bytes = array.dtype.itemsize * int(np.prod(array.shape[1:], dtype=np.int64))
+    sizes = np.asarray(counts, dtype=np.int64) * row_bytes
+    return sizes, np.concatenate([[0], np.cumsum(sizes)[:-1]])
 
 
 def _lor():

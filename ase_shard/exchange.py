@@ -1,8 +1,10 @@
-"""Per-layer halo exchange of node features, differentiable.
+"""Halo exchange between ranks: node features forward, ghost contributions back.
 
 Forward copies every owned node's features into its ghost copies on other
 ranks; backward sums the gradients of those ghost copies back into the owner.
-Both directions are one ``Alltoallv`` of rows through host memory.
+Both directions are one ``Alltoallv`` of rows through host memory. The same
+plan sums the ghost nodes' results (forces, virials) into their owners
+(:meth:`HaloExchange.sum_into_owned_columns`).
 
 Every rank must run the same exchanges, forward and backward, or the
 collectives would pair up wrongly and hang. Two rules make sure of it:
@@ -31,7 +33,7 @@ class PeerFailure(RuntimeError):
 
 
 class HaloExchange:
-    """The feature exchange of one rank's block.
+    """The exchange plan of one rank's block (LAMMPS's forward/reverse communication).
 
     Parameters
     ----------
@@ -63,7 +65,9 @@ class HaloExchange:
         self.handle = next(_HANDLES) if handle is None else int(handle)
         _EXCHANGES[self.handle] = self
         self.comm = comm
-        self.send_index = torch.as_tensor(send_index, dtype=torch.int64, device=device)
+        self.n_owned = int(n_owned)
+        self.send_rows = torch.as_tensor(send_index, dtype=torch.int64)  # host copy
+        self.send_index = self.send_rows.to(device)
         self.send_counts = np.asarray(send_counts, dtype=np.int64)
         self.recv_counts = np.asarray(recv_counts, dtype=np.int64)
         self.n_ghosts = int(self.recv_counts.sum())
@@ -99,6 +103,27 @@ class HaloExchange:
         """
         if self.comm.any(False):
             raise PeerFailure("another rank failed during the halo exchange")
+
+    def sum_into_owned_columns(self, columns: np.ndarray) -> np.ndarray:
+        """Owned nodes' values plus what the other ranks hold for them (host, no autograd).
+
+        Parameters
+        ----------
+        columns : (k, n_owned + n_ghosts) float64 array
+            One row per quantity, one column per node (owned, then ghosts).
+
+        Returns
+        -------
+        (k, n_owned) float64 array: each owned node's column with every ghost
+        copy's column on other ranks added, in a fixed order.
+        """
+        if self.comm.size == 1:
+            return columns[:, : self.n_owned]  # no other rank holds a copy
+        ghosts = columns[:, self.n_owned : self.n_owned + self.n_ghosts].T
+        back = self.comm.alltoallv_rows(ghosts, self.recv_counts, self.send_counts)
+        owned = torch.from_numpy(np.array(columns[:, : self.n_owned]))
+        owned.index_add_(1, self.send_rows, torch.from_numpy(back.T))
+        return owned.numpy()
 
     def _move(self, rows: torch.Tensor, send_counts, recv_counts) -> torch.Tensor:
         moved = self.comm.alltoallv_rows(rows.detach().cpu().numpy(), send_counts, recv_counts)

@@ -40,11 +40,18 @@ class RankRows:
         ``image_shift[row] - image_shift[node[row]]`` cells from it.
     n_nodes : int
         Owned nodes, then ghost nodes grouped by owner rank.
+    recv_counts : (P,) int64
+        Ghost nodes owned by each rank: node features received from each rank
+        per exchange, in ghost-node order.
+    requests : (n_nodes - n_owned,) int64
+        Place of each ghost node among its owner's owned nodes: what this rank
+        asks each owner to send, grouped by owner.
     send_index : (m,) int64
-        Owned nodes whose features other ranks need, grouped by receiving rank.
-    send_counts, recv_counts : (P,) int64
-        Node features sent to / received from each rank per exchange; the
-        received ones are the ghost nodes in order.
+        Owned nodes whose features other ranks need, grouped by receiving rank
+        (the other ranks' requests; filled in by :func:`exchange_plans` or by
+        an all-to-all of the requests).
+    send_counts : (P,) int64
+        Node features sent to each rank per exchange.
     """
 
     ids: np.ndarray
@@ -52,9 +59,10 @@ class RankRows:
     n_owned: int
     node: np.ndarray
     n_nodes: int
-    send_index: np.ndarray
-    send_counts: np.ndarray
     recv_counts: np.ndarray
+    requests: np.ndarray
+    send_index: np.ndarray | None = None
+    send_counts: np.ndarray | None = None
 
 
 def image_range(width: np.ndarray, pbc: np.ndarray) -> list[range]:
@@ -107,30 +115,114 @@ def rank_rows(
     reach_lo, reach_hi = lo.min(axis=0), hi.max(axis=0)
 
     images, cand_ids, cand_image, cand_s = _near_images(s, width, pbc, reach_lo, reach_hi)
-    home = np.flatnonzero(~images.any(axis=1))[0]  # index of the zero shift
     cells = _CellGrid(cand_s, reach_lo, reach_hi, width)
     del cand_s  # the grid keeps its own copy in cell order
 
-    position = np.empty(len(owners), dtype=np.int64)  # place among its owner's nodes
-    for ids in owned:
-        position[ids] = np.arange(len(ids))
+    position = owned_places(owners, n_ranks)
     local = []
     for rank in range(n_ranks):
-        n_owned = len(owned[rank])
         # Candidates come back ascending, so ghost rows keep the order of the
         # image search (by image, then atom), whatever the grid. An empty
         # rank's box is inverted (lo = inf): it needs no ghosts.
-        found = cells.query(lo[rank], hi[rank]) if n_owned else np.zeros(0, dtype=np.int64)
-        found_ids, found_image = cand_ids[found], cand_image[found]
-        # the home images of the rank's own atoms are its owned rows already
-        ghost = (found_image != home) | (owners[found_ids] != rank)
-        ids = np.concatenate([owned[rank], found_ids[ghost]]).astype(np.int64)
-        image_shift = np.concatenate(
-            [np.zeros((n_owned, 3), dtype=np.int64), np.take(images, found_image[ghost], axis=0)]
+        found = cells.query(lo[rank], hi[rank]) if len(owned[rank]) else np.zeros(0, np.int64)
+        local.append(
+            _rows_of(
+                rank,
+                n_ranks,
+                owned[rank],
+                (cand_ids[found], cand_image[found], images),
+                coords.wrap_shift,
+                owners,
+                position,
+                fold_foreign,
+            )
         )
-        image_shift += coords.wrap_shift[ids]
-        local.append(_fold(rank, ids, image_shift, n_owned, owners, position, fold_foreign))
-    return _with_exchange_plan(local, owners, position)
+    return exchange_plans(local)
+
+
+def local_rows(
+    coords: FrameCoordinates,
+    pbc: np.ndarray,
+    owners: np.ndarray,
+    rank: int,
+    n_ranks: int,
+    halo_width: float,
+    fold_foreign: bool = False,
+) -> RankRows:
+    """The rows of ``rank`` alone: its owned atoms and its own ghosts.
+
+    What one rank computes for itself when every rank holds every atom: the
+    same rows :func:`rank_rows` gives that rank, without looking at the other
+    ranks' halos (``O(N)``: one box test of every atom image near the rank's
+    widened box). The send side of the exchange plan is left empty; it is the
+    other ranks' ``requests``.
+
+    Parameters are those of :func:`rank_rows`, plus ``rank``.
+    """
+    s = np.ascontiguousarray(coords.s.T)
+    width = np.where(pbc, halo_width / coords.spacing, halo_width)
+    owned = np.flatnonzero(owners == rank)
+    if len(owned):
+        mine = np.take(s, owned, axis=1)
+        images, found_ids, found_image, _ = _near_images(
+            s, width, pbc, mine.min(axis=1) - width, mine.max(axis=1) + width
+        )
+    else:
+        images = np.zeros((1, 3), dtype=np.int64)
+        found_ids, found_image = np.zeros(0, np.int64), np.zeros(0, np.uint8)
+    return _rows_of(
+        rank,
+        n_ranks,
+        owned,
+        (found_ids, found_image, images),
+        coords.wrap_shift,
+        owners,
+        owned_places(owners, n_ranks),
+        fold_foreign,
+    )
+
+
+def owned_places(owners: np.ndarray, n_ranks: int) -> np.ndarray:
+    """Place of each atom among the atoms its owner owns (ascending ids).
+
+    Owned nodes are laid out in this order on every rank, so ``(owner,
+    place)`` names a node without any communication.
+    """
+    # 8/16-bit keys make numpy's stable argsort an O(N) radix sort
+    by_owner = np.argsort(owners.astype(np.min_scalar_type(n_ranks)), kind="stable")
+    counts = np.bincount(owners, minlength=n_ranks)
+    starts = np.cumsum(counts) - counts
+    place = np.empty(len(owners), dtype=np.int64)
+    place[by_owner] = np.arange(len(owners)) - np.repeat(starts, counts)
+    return place
+
+
+def _rows_of(
+    rank: int,
+    n_ranks: int,
+    owned: np.ndarray,
+    found: tuple[np.ndarray, np.ndarray, np.ndarray],
+    wrap_shift: np.ndarray,
+    owners: np.ndarray,
+    position: np.ndarray,
+    fold_foreign: bool,
+) -> RankRows:
+    """One rank's rows from its owned atoms and the atom images in its widened box.
+
+    ``found`` is ``(ids, image, images)``: the atom and the index into
+    ``images`` (cell shifts) of every image found.
+    """
+    found_ids, found_image, images = found
+    home = np.flatnonzero(~images.any(axis=1))[0]  # index of the zero shift
+    n_owned = len(owned)
+    # the home images of the rank's own atoms are its owned rows already
+    ghost = (found_image != home) | (owners[found_ids] != rank)
+    ids = np.concatenate([owned, found_ids[ghost]]).astype(np.int64)
+    image_shift = np.concatenate(
+        [np.zeros((n_owned, 3), dtype=np.int64), np.take(images, found_image[ghost], axis=0)]
+    )
+    image_shift += wrap_shift[ids]
+    return _fold(rank, n_ranks, ids, image_shift, n_owned, owners, position, fold_foreign)
 
 
 def _owned_boxes(
@@ -289,6 +381,7 @@ def _cell_counts(extent: np.ndarray, width: np.ndarray, limit: int) -> np.ndarra
 
 def _fold(
     rank: int,
+    n_ranks: int,
     ids: np.ndarray,
     image_shift: np.ndarray,
     n_owned: int,
@@ -296,7 +389,7 @@ def _fold(
     position: np.ndarray,
     fold_foreign: bool,
 ) -> RankRows:
-    """Reorder one rank's rows as owned, ghost nodes, folded images (no plan yet)."""
+    """Reorder one rank's rows as owned, ghost nodes, folded images; note the requests."""
     ghost = np.arange(n_owned, len(ids))
     foreign = ghost[owners[ids[ghost]] != rank]
     if fold_foreign:
@@ -318,25 +411,20 @@ def _fold(
     ghost_ids = ids[n_owned:n_nodes]
     by_id = np.argsort(ghost_ids)
     node[n_nodes:][~mine] = n_owned + by_id[np.searchsorted(ghost_ids[by_id], folded[~mine])]
-    empty = np.zeros(0, dtype=np.int64)
-    return RankRows(ids, image_shift, n_owned, node, n_nodes, empty, empty, empty)
+    recv_counts = np.bincount(owners[ghost_ids], minlength=n_ranks)
+    return RankRows(ids, image_shift, n_owned, node, n_nodes, recv_counts, position[ghost_ids])
 
 
-def _with_exchange_plan(
-    local: list[RankRows], owners: np.ndarray, position: np.ndarray
-) -> list[RankRows]:
-    """Fill in who sends which owned node to whom for a feature exchange."""
-    n_ranks = len(local)
-    counts = np.zeros((n_ranks, n_ranks), dtype=np.int64)  # counts[sender, receiver]
-    sends: list[list[np.ndarray]] = [[] for _ in range(n_ranks)]
-    for receiver, rows in enumerate(local):
-        ghost_ids = rows.ids[rows.n_owned : rows.n_nodes]
-        ghost_owner = owners[ghost_ids]
-        counts[:, receiver] = np.bincount(ghost_owner, minlength=n_ranks)
-        for sender, part in enumerate(np.split(ghost_ids, np.cumsum(counts[:-1, receiver]))):
-            sends[sender].append(position[part])
-    for rank, rows in enumerate(local):
-        rows.send_index = np.concatenate(sends[rank]).astype(np.int64)
-        rows.send_counts = counts[rank].copy()
-        rows.recv_counts = counts[:, rank].copy()
+def exchange_plans(local: list[RankRows]) -> list[RankRows]:
+    """Fill in every rank's send side from all ranks' requests (worker mode).
+
+    Rank ``r`` sends to each receiver the owned nodes that receiver requested
+    from ``r``, in the receiver's ghost order.
+    """
+    requested = [np.split(r.requests, np.cumsum(r.recv_counts)[:-1]) for r in local]
+    for sender, rows in enumerate(local):
+        rows.send_counts = np.array([r.recv_counts[sender] for r in local], dtype=np.int64)
+        rows.send_index = np.concatenate(
+            [parts[sender] for parts in requested] or [np.zeros(0)]
+        ).astype(np.int64)
     return local

@@ -97,10 +97,10 @@ class ModelInputs:
         return digest.digest()
 
 
-def pack(arrays: Mapping[str, np.ndarray], rows: np.ndarray) -> np.ndarray:
-    """Rows ``rows`` of the per-atom arrays side by side, ``(len(rows), k)`` float64."""
-    columns = [value[rows].reshape(len(rows), -1) for value in arrays.values()]
-    return np.concatenate(columns, axis=1) if columns else np.zeros((len(rows), 0))
+def pack(arrays: Mapping[str, np.ndarray], rows: np.ndarray | slice) -> np.ndarray:
+    """Rows ``rows`` of the (one or more) per-atom arrays side by side, ``(n, k)`` float64."""
+    columns = [value[rows] for value in arrays.values()]
+    return np.concatenate([column.reshape(len(column), -1) for column in columns], axis=1)
 
 
 def unpack(packed: np.ndarray, shapes: Mapping[str, Sequence[int]]) -> dict[str, np.ndarray]:

