@@ -533,3 +533,20 @@ def test_checksum_sees_one_changed_bit() -> None:
     assert checksum(values) == checksum(values.copy())
     assert checksum(values) != checksum(changed)
     assert checksum(np.arange(5)) != checksum(np.arange(6))
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 7])
+def test_balanced_labels_follow_value_then_index_order(parts: int) -> None:
+    """Label = rank * parts // count in (value, index) order, ties and tiny groups included."""
+    from ase_shard.partition import balanced_labels
+
+    rng = np.random.default_rng(parts)
+    values = rng.integers(0, 6, 500).astype(float)  # many ties
+    groups = rng.integers(0, 5, 500)
+    groups[groups == 4] = 3  # group 4 empty
+    groups[:2] = 9  # a group of two atoms
+    got = balanced_labels(values, groups, parts)
+    for group in np.unique(groups):
+        members = np.flatnonzero(groups == group)
+        order = members[np.lexsort((members, values[members]))]
+        np.testing.assert_array_equal(got[order], np.arange(len(order)) * parts // len(order))
