@@ -57,6 +57,21 @@ def test_pairs_match_brute_force(kind: str, n: int, cutoff: float) -> None:
         np.testing.assert_array_equal(got, expected, err_msg=name)
 
 
+@pytest.mark.parametrize("kind", ["uniform", "clusters", "sheet"])
+@pytest.mark.parametrize("slab", [7, 60])
+def test_slabs_give_the_same_pairs(kind: str, slab: int, monkeypatch) -> None:
+    """Blocks beyond ``VESIN_SLAB`` points are searched by slabs: still exactly brute force,
+    ties at slab bounds included (a lattice has many equal coordinates)."""
+    from ase_shard import neighbors
+
+    monkeypatch.setattr(neighbors, "VESIN_SLAB", slab)
+    lattice = np.stack(np.meshgrid(*[np.arange(5.0)] * 3), axis=-1).reshape(-1, 3) * 1.1
+    for points in (_cloud(kind, 500, seed=3), lattice):
+        for cutoff in (0.7, 1.2, 3.0):
+            got = _sorted_pairs(neighbor_pairs(torch.from_numpy(points), cutoff))
+            np.testing.assert_array_equal(got, _brute_force(points, cutoff))
+
+
 @pytest.mark.parametrize("kind", ["uniform", "clusters"])
 def test_full_list_symmetric(kind: str) -> None:
     """Every (i, j) comes with (j, i); no self pairs; not empty."""
