@@ -671,29 +671,35 @@ class ShardedCalculator(Calculator):
             )
         return nodes
 
-    def _owners(self, coords: FrameCoordinates, pbc: np.ndarray) -> np.ndarray:
-        """Owner rank of every atom: the same deterministic rule on every rank."""
-        # a driving rank 0 that only runs ASE (notebook mode) owns nothing
-        first = int(self._idle_root)
-        n_compute = self.comm.size - first
-        if self.parameters["partition"] == "contiguous":
-            return contiguous_owners(len(coords.s), n_compute) + first
-        width = self.halo_reach + self.skin
-        grid = self.parameters["grid"] or choose_grid(coords, pbc, n_compute, width)
-        return spatial_owners(coords, tuple(grid)) + first
+    @property
+    def _halo_shape(self) -> tuple[float, bool]:
+        """Halo width (Å: reach plus skin) and whether foreign images fold (layer halo)."""
+        return self.halo_reach + self.skin, self.parameters["halo"] == "layer"
+
+    def _partition(self, atoms: Atoms, request: _Request) -> tuple[FrameCoordinates, np.ndarray]:
+        """Frame coordinates and owner rank of every atom: the same rule on every rank."""
+        with self.timer.phase("partition"):
+            coords = frame_coordinates(atoms.positions, request.cell, request.pbc)
+            # a driving rank 0 that only runs ASE (notebook mode) owns nothing
+            first = int(self._idle_root)
+            n_compute = self.comm.size - first
+            if self.parameters["partition"] == "contiguous":
+                return coords, contiguous_owners(len(coords.s), n_compute) + first
+            grid = self.parameters["grid"] or choose_grid(
+                coords, request.pbc, n_compute, self._halo_shape[0]
+            )
+            return coords, spatial_owners(coords, tuple(grid)) + first
 
     def _plan_locally(self, atoms: Atoms, request: _Request) -> _Decomposition:
         """SPMD: owners of all atoms, this rank's own ghosts, the plan by all-to-all."""
         comm, timer = self.comm, self.timer
         error = None
         try:
-            with timer.phase("partition"):
-                coords = frame_coordinates(atoms.positions, request.cell, request.pbc)
-                owners = self._owners(coords, request.pbc)
+            coords, owners = self._partition(atoms, request)
             with timer.phase("halo"):
-                width = self.halo_reach + self.skin
-                fold = self.parameters["halo"] == "layer"
-                rows = local_rows(coords, request.pbc, owners, comm.rank, comm.size, width, fold)
+                rows = local_rows(
+                    coords, request.pbc, owners, comm.rank, comm.size, *self._halo_shape
+                )
         except Exception as exc:  # e.g. out of memory on one rank: no rank may wait alone
             error = describe(exc, comm.rank)
         errors = [e for e in comm.allgather(error) if e is not None]
@@ -721,13 +727,9 @@ class ShardedCalculator(Calculator):
         if comm.is_root:
             try:
                 validate(atoms, getattr(self.model, "atomic_types", None))
-                with timer.phase("partition"):
-                    coords = frame_coordinates(atoms.positions, request.cell, request.pbc)
-                    owners = self._owners(coords, request.pbc)
+                coords, owners = self._partition(atoms, request)
                 with timer.phase("halo"):
-                    width = self.halo_reach + self.skin
-                    fold = self.parameters["halo"] == "layer"
-                    layouts = rank_rows(coords, request.pbc, owners, comm.size, width, fold)
+                    layouts = rank_rows(coords, request.pbc, owners, comm.size, *self._halo_shape)
                 sends = [r.send_counts.tolist() for r in layouts]
                 plan = (None, sends, [(len(r.ids), r.n_owned, r.n_nodes) for r in layouts])
             except Exception as exc:
