@@ -144,8 +144,11 @@ class LocalBlock:
             centre, neighbour_row = pairs
             self.centre = centre
             self.neighbour = node[neighbour_row]
-            # cells between the neighbour's row and its node
-            self.edge_shift = image_shift[neighbour_row] - image_shift[self.neighbour]
+            # cells between the neighbour's row and its node, kept for the few edges
+            # that cross to a periodic image (24 bytes an edge for all would add up)
+            shift = image_shift[neighbour_row] - image_shift[self.neighbour]
+            self.shifted_edges = shift.any(dim=1).nonzero().squeeze(1)
+            self.edge_shift = shift[self.shifted_edges]
 
     def needed(self) -> Capacities:
         """Sizes a padded graph needs until the next rebuild (one spare owned node)."""
@@ -157,13 +160,18 @@ class LocalBlock:
         if self.exchange is not None:
             self.exchange.pad(capacity.owned, capacity.ghosts)
 
+    def _offsets(self, cell: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cartesian offsets (Å) of the nodes' and the shifted edges' images."""
+        if self._shift_cell is None or not torch.equal(self._shift_cell, cell):
+            # they change only with the cell (barostats)
+            self._shift_cell = cell
+            self._shifts = (self.node_shift @ cell, self.edge_shift @ cell)
+        return self._shifts
+
     def node_positions(self, node_rows: np.ndarray, cell: torch.Tensor) -> torch.Tensor:
         """Cartesian positions (Å, float64) of the nodes."""
         rows = torch.as_tensor(node_rows, dtype=torch.float64, device=self.device)
-        if self._shift_cell is None or not torch.equal(self._shift_cell, cell):
-            # the images' offsets change only with the cell (barostats)
-            self._shift_cell, self._shift = cell, self.node_shift @ cell
-        return rows + self._shift
+        return rows + self._offsets(cell)[0]
 
     def evaluate(
         self,
@@ -202,9 +210,13 @@ class LocalBlock:
         with timer.phase("forward"):
             cell = torch.as_tensor(cell, dtype=torch.float64, device=self.device)
             positions = self.node_positions(node_rows, cell)
-            vectors64 = positions[self.neighbour] - positions[self.centre] + self.edge_shift @ cell
+            # formed in place: the (E, 3) temporaries are the largest of a step
+            vectors64 = positions.index_select(0, self.neighbour)
+            vectors64 -= positions.index_select(0, self.centre)
+            vectors64.index_add_(0, self.shifted_edges, self._offsets(cell)[1])
             within = (vectors64 * vectors64).sum(dim=1) < float(self.model.cutoff) ** 2
             i, j, d = self.centre[within], self.neighbour[within], vectors64[within]
+            del vectors64, within
             # edges are formed in float64, then cast, so float32 models do not
             # lose precision to large absolute coordinates
             vectors = d.detach().to(dtype).requires_grad_(True)
