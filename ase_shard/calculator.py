@@ -583,24 +583,26 @@ class ShardedCalculator(Calculator):
     def _compare_fingerprints(self, atoms: Atoms) -> None:
         """Rebuild: every rank's whole copy against rank 0's, and its elements.
 
-        One more allgather; the elements are checked on every rank, so with
-        agreeing copies every rank finds the same error.
+        One more allgather (none on one rank); the elements are checked on
+        every rank, so with agreeing copies every rank finds the same error.
         """
         error = None
         try:
             validate_numbers(atoms.numbers, getattr(self.model, "atomic_types", None))
         except ValueError as exc:
             error = describe(exc, 0)
-        views = self.comm.allgather((fingerprint(atoms), self._inputs_digest))
-        reference = views[0]
-        differing = {
-            rank: differing_fields(reference[0], view[0])
-            + (["model inputs"] if view[1] != reference[1] else [])
-            for rank, view in enumerate(views)
-            if view != reference
-        }
-        if differing:
-            raise _diverged("; ".join(f"rank {r}: {', '.join(f)}" for r, f in differing.items()))
+        if self.comm.size > 1:
+            views = self.comm.allgather((fingerprint(atoms), self._inputs_digest))
+            reference = views[0]
+            differing = {
+                rank: differing_fields(reference[0], view[0])
+                + (["model inputs"] if view[1] != reference[1] else [])
+                for rank, view in enumerate(views)
+                if view != reference
+            }
+            if differing:
+                detail = "; ".join(f"rank {r}: {', '.join(f)}" for r, f in differing.items())
+                raise _diverged(detail)
         if error is not None:
             raise rebuild([error])
 

@@ -204,8 +204,7 @@ class Comm:
                 [_bytes(send), _byte_sizes(send, send_counts)],
                 [_bytes(recv), _byte_sizes(recv, recv_counts)],
             )
-        own = int(np.asarray(recv_counts)[self.rank]) * (recv.nbytes // max(len(recv), 1))
-        self.received_bytes += recv.nbytes - own
+        self.received_bytes += recv.nbytes - int(_byte_sizes(recv, recv_counts)[0][self.rank])
         return recv
 
     def rendezvous(self, timeout: float | None, waiting_for: str) -> None:

@@ -110,15 +110,18 @@ def rank_rows(
     # per-axis tests then read contiguous memory.
     s = np.ascontiguousarray(coords.s.T)
     width = np.where(pbc, halo_width / coords.spacing, halo_width)
-    owned, lo, hi = _owned_boxes(s, owners, n_ranks)
+    by_owner, counts = _by_owner(owners, n_ranks)
+    owned = np.split(by_owner, np.cumsum(counts)[:-1])
+    lo, hi = _owned_boxes(s, by_owner, counts)
     lo, hi = lo - width, hi + width
     reach_lo, reach_hi = lo.min(axis=0), hi.max(axis=0)
 
-    images, cand_ids, cand_image, cand_s = _near_images(s, width, pbc, reach_lo, reach_hi)
+    images, cand_ids, cand_image = _near_images(s, width, pbc, reach_lo, reach_hi)
+    cand_s = np.take(s, cand_ids, axis=1) + np.take(images, cand_image, axis=0).T
     cells = _CellGrid(cand_s, reach_lo, reach_hi, width)
     del cand_s  # the grid keeps its own copy in cell order
 
-    position = owned_places(owners, n_ranks)
+    position = _places(by_owner, counts)
     local = []
     for rank in range(n_ranks):
         # Candidates come back ascending, so ghost rows keep the order of the
@@ -164,7 +167,7 @@ def local_rows(
     owned = np.flatnonzero(owners == rank)
     if len(owned):
         mine = np.take(s, owned, axis=1)
-        images, found_ids, found_image, _ = _near_images(
+        images, found_ids, found_image = _near_images(
             s, width, pbc, mine.min(axis=1) - width, mine.max(axis=1) + width
         )
     else:
@@ -188,13 +191,7 @@ def owned_places(owners: np.ndarray, n_ranks: int) -> np.ndarray:
     Owned nodes are laid out in this order on every rank, so ``(owner,
     place)`` names a node without any communication.
     """
-    # 8/16-bit keys make numpy's stable argsort an O(N) radix sort
-    by_owner = np.argsort(owners.astype(np.min_scalar_type(n_ranks)), kind="stable")
-    counts = np.bincount(owners, minlength=n_ranks)
-    starts = np.cumsum(counts) - counts
-    place = np.empty(len(owners), dtype=np.int64)
-    place[by_owner] = np.arange(len(owners)) - np.repeat(starts, counts)
-    return place
+    return _places(*_by_owner(owners, n_ranks))
 
 
 def _rows_of(
@@ -225,42 +222,51 @@ def _rows_of(
     return _fold(rank, n_ranks, ids, image_shift, n_owned, owners, position, fold_foreign)
 
 
+def _by_owner(owners: np.ndarray, n_ranks: int) -> tuple[np.ndarray, np.ndarray]:
+    """Atoms sorted by owner (ascending ids within an owner), and atoms per owner."""
+    # 8/16-bit keys make numpy's stable argsort an O(N) radix sort
+    by_owner = np.argsort(owners.astype(np.min_scalar_type(n_ranks)), kind="stable")
+    return by_owner, np.bincount(owners, minlength=n_ranks)
+
+
+def _places(by_owner: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Place of each atom among its owner's atoms, from :func:`_by_owner`."""
+    place = np.empty(len(by_owner), dtype=np.int64)
+    place[by_owner] = np.arange(len(by_owner)) - np.repeat(np.cumsum(counts) - counts, counts)
+    return place
+
+
 def _owned_boxes(
-    s: np.ndarray, owners: np.ndarray, n_ranks: int
-) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
-    """Atoms owned by each rank, ascending, and the bounding box of each rank's atoms.
+    s: np.ndarray, by_owner: np.ndarray, counts: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Bounding box of each rank's atoms.
 
     Parameters
     ----------
     s : (3, N) float
         Frame coordinates, one row per axis.
-    owners : (N,) int
-    n_ranks : int
+    by_owner, counts : from :func:`_by_owner`
 
     Returns
     -------
-    owned : list of (n_r,) int64
     lo, hi : (P, 3) float
         Box corners; ``inf`` and ``-inf`` for a rank that owns nothing.
     """
-    # 8/16-bit keys make numpy's stable argsort an O(N) radix sort
-    by_owner = np.argsort(owners.astype(np.min_scalar_type(n_ranks)), kind="stable")
-    counts = np.bincount(owners, minlength=n_ranks)
     starts = np.cumsum(counts) - counts
-    lo = np.full((n_ranks, 3), np.inf)
-    hi = np.full((n_ranks, 3), -np.inf)
+    lo = np.full((len(counts), 3), np.inf)
+    hi = np.full((len(counts), 3), -np.inf)
     filled = np.flatnonzero(counts)
     if len(filled):
         s_by_owner = np.take(s, by_owner, axis=1)
         lo[filled] = np.minimum.reduceat(s_by_owner, starts[filled], axis=1).T
         hi[filled] = np.maximum.reduceat(s_by_owner, starts[filled], axis=1).T
-    return np.split(by_owner, starts[1:]), lo, hi
+    return lo, hi
 
 
 def _near_images(
     s: np.ndarray, width: np.ndarray, pbc: np.ndarray, reach_lo: np.ndarray, reach_hi: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Atom images inside the box ``[reach_lo, reach_hi]`` that holds every widened box.
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Atom images inside the box ``[reach_lo, reach_hi]`` (frame coordinates).
 
     Parameters
     ----------
@@ -279,8 +285,6 @@ def _near_images(
         Atom of each image found; ordered by image, then by atom.
     image : (M,) unsigned int
         Index into ``images`` of each image found.
-    points : (3, M) float
-        Frame coordinates of each image found, one row per axis.
     """
     shifts = image_range(width, pbc)
     # The box test splits by axis: testing each axis and shift once leaves
@@ -290,19 +294,13 @@ def _near_images(
         for axis, ks in enumerate(shifts)
     ]
     images = list(itertools.product(*shifts))
-    ids, points = [], []
-    for kx, ky, kz in images:
-        near = np.flatnonzero(near_axis[0][kx] & near_axis[1][ky] & near_axis[2][kz])
-        ids.append(near)
-        points.append(np.take(s, near, axis=1) + np.array([[kx], [ky], [kz]]))
+    ids = [
+        np.flatnonzero(near_axis[0][kx] & near_axis[1][ky] & near_axis[2][kz])
+        for kx, ky, kz in images
+    ]
     image_index = np.arange(len(images), dtype=np.min_scalar_type(len(images)))
     image_index = np.repeat(image_index, [len(i) for i in ids])
-    return (
-        np.array(images, dtype=np.int64),
-        np.concatenate(ids),
-        image_index,
-        np.concatenate(points, axis=1),
-    )
+    return np.array(images, dtype=np.int64), np.concatenate(ids), image_index
 
 
 class _CellGrid:
