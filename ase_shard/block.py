@@ -97,6 +97,9 @@ class LocalBlock:
     timer : PhaseTimer, optional
     compiled : callable, optional
         The compiled model; it is given graphs padded to :meth:`pad`'s capacities.
+    min_distance : float
+        Å; :meth:`evaluate` raises ``ValueError`` for a pair of atoms closer
+        than this (only pairs within the model's cutoff are seen; 0: no check).
     """
 
     def __init__(
@@ -111,6 +114,7 @@ class LocalBlock:
         exchange: HaloExchange | None = None,
         timer: PhaseTimer | None = None,
         compiled=None,
+        min_distance: float = 0.0,
     ):
         self.device = torch.device(device)
         self.timer = timer or PhaseTimer(self.device)
@@ -124,6 +128,8 @@ class LocalBlock:
         self.model = model
         self.exchange = exchange
         self.compiled = compiled
+        # pairs beyond the cutoff may be missing from the list on reuse steps
+        self.min_distance = min(float(min_distance), float(model.cutoff))
         self.capacity: Capacities | None = None
         self._shift_cell: torch.Tensor | None = None  # cell of the cached offsets
         self._result: torch.Tensor | None = None
@@ -210,13 +216,13 @@ class LocalBlock:
         with timer.phase("forward"):
             cell = torch.as_tensor(cell, dtype=torch.float64, device=self.device)
             positions = self.node_positions(node_rows, cell)
-            # formed in place: the (E, 3) temporaries are the largest of a step
-            vectors64 = positions.index_select(0, self.neighbour)
-            vectors64 -= positions.index_select(0, self.centre)
-            vectors64.index_add_(0, self.shifted_edges, self._offsets(cell)[1])
-            within = (vectors64 * vectors64).sum(dim=1) < float(self.model.cutoff) ** 2
+            vectors64 = self._edge_vectors(positions, cell)
+            squared = (vectors64 * vectors64).sum(dim=1)
+            within = squared < float(self.model.cutoff) ** 2
+            # read with the finite check below: one device sync for both
+            closest = squared.min() if squared.shape[0] else squared.new_full((), np.inf)
             i, j, d = self.centre[within], self.neighbour[within], vectors64[within]
-            del vectors64, within
+            del vectors64, within, squared
             # edges are formed in float64, then cast, so float32 models do not
             # lose precision to large absolute coordinates
             vectors = d.detach().to(dtype).requires_grad_(True)
@@ -256,9 +262,38 @@ class LocalBlock:
             sum_edge_gradients(i, j, d, grad, self.n_nodes, out=result[1:])
             result[0, : self.n_owned] = owned_energy.detach().to(torch.float64)
             # NaN and inf reach the sum: one small reduction in the common case
-            if not torch.isfinite(result.sum()):
+            total, closest = torch.stack([result.sum(), closest]).tolist()
+            if closest < self.min_distance**2:
+                self._check_distances(positions, cell)
+            if not np.isfinite(total):
                 self._check_finite(owned_energy, grad, i, j)
         return result
+
+    def _edge_vectors(self, positions: torch.Tensor, cell: torch.Tensor) -> torch.Tensor:
+        """``(E, 3)`` float64 vectors (Å) of the listed edges, centre to neighbour."""
+        # formed in place: the (E, 3) temporaries are the largest of a step
+        vectors = positions.index_select(0, self.neighbour)
+        vectors -= positions.index_select(0, self.centre)
+        vectors.index_add_(0, self.shifted_edges, self._offsets(cell)[1])
+        return vectors
+
+    def _check_distances(self, positions: torch.Tensor, cell: torch.Tensor) -> None:
+        """Raise ``ValueError`` naming the closest pair closer than ``min_distance``."""
+        distance = torch.linalg.vector_norm(self._edge_vectors(positions, cell), dim=1)
+        close = (distance < self.min_distance).nonzero().squeeze(1)
+        if not len(close):
+            return
+        ends = self.ids[torch.stack([self.centre[close], self.neighbour[close]]).cpu().numpy()]
+        pairs = np.unique(np.sort(ends, axis=0), axis=1)
+        first = distance[close].argmin().item()
+        a, b = sorted(ends[:, first].tolist())
+        who = f"atom {a} and its periodic image" if a == b else f"atoms {a} and {b}"
+        raise ValueError(
+            f"{who} are {distance[close[first]].item():.4f} Å apart, closer than min_distance="
+            f"{self.min_distance:g} Å ({pairs.shape[1]} pair(s) that close): overlapping "
+            "atoms, or a run that blew up; pass min_distance=0 to ShardedCalculator to "
+            "allow it"
+        )
 
     def _tensors(self, values: dict | None, dtype) -> dict[str, torch.Tensor]:
         return {

@@ -83,10 +83,35 @@ def place_rank(device: Any, comm: Comm) -> torch.device:
     if node_size > 1 and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // node_size))
     if device is not None:
-        return torch.device(device)
+        return checked_device(device)
     if torch.cuda.is_available():
         return torch.device(f"cuda:{node_rank % torch.cuda.device_count()}")
     return torch.device("cpu")
+
+
+def checked_device(device: Any) -> torch.device:
+    """``torch.device(device)``, or ``ValueError`` naming the devices this process has."""
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    available = ["cpu", *(f"cuda:{k}" for k in range(cuda))]
+    if torch.backends.mps.is_available():
+        available.append("mps")
+    try:
+        placed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"device {device!r} is not a torch device; available here: {', '.join(available)}"
+        ) from None
+    index = 0 if placed.index is None else placed.index
+    usable = {
+        "cpu": True,
+        "cuda": index < cuda,
+        "mps": "mps" in available,
+    }.get(placed.type, True)  # other backends (xpu, ...) report their own errors
+    if not usable:
+        raise ValueError(
+            f"device {device!r} is not available here; available: {', '.join(available)}"
+        )
+    return placed
 
 
 # per-atom results and their columns in the block's rows
@@ -177,6 +202,11 @@ def _strain(deformation: np.ndarray) -> float:
     return float(np.linalg.norm(deformation - np.eye(3), ord=2))
 
 
+# Å: ranks' copies of the positions and cell closer than this to rank 0's are
+# re-synchronised from rank 0 (round-off); farther ones are an error
+SYNC_TOLERANCE = 1e-10
+
+
 def _diverged(detail: str) -> ValueError:
     return ValueError(
         "ranks hold different Atoms than rank 0 (" + detail + "). Under mpirun every "
@@ -226,6 +256,11 @@ class ShardedCalculator(Calculator):
         (under mpirun, SPMD) before it aborts the MPI job with a message:
         ranks whose ``Atoms`` diverged, so that only some of them calculate,
         end the job instead of hanging it. ``None`` waits forever.
+    min_distance : float
+        Å. Two atoms closer than this (within the model's cutoff) raise a
+        ``ValueError`` on every rank naming them: overlapping atoms in a
+        structure, or an MD run that blew up. The default, 0.5 Å, is below
+        every bond (H2: 0.74 Å); 0 turns the check off.
 
     Results (eV, eV/Å, eV/Å³) equal the serial evaluation to round-off and are
     bitwise identical on every rank. ``stress``/``stresses`` exist only when the
@@ -248,12 +283,15 @@ class ShardedCalculator(Calculator):
         halo: str | None = None,
         compile: bool | str = False,
         timeout: float | None = 600.0,
+        min_distance: float = 0.5,
         **kwargs,
     ):
         if partition not in PARTITIONS:
             raise ValueError(f"partition must be one of {PARTITIONS}, not {partition!r}")
         if skin < 0:
             raise ValueError(f"skin must be >= 0 Å, not {skin}")
+        if not min_distance >= 0:
+            raise ValueError(f"min_distance must be >= 0 Å, not {min_distance}")
         if halo is None:
             halo = "layer" if supports_layer_halo(model) else "full"
         if halo not in HALOS:
@@ -269,7 +307,10 @@ class ShardedCalculator(Calculator):
             grid = tuple(int(p) for p in grid)
             if len(grid) != 3 or int(np.prod(grid)) != self.comm.size:
                 raise ValueError(f"grid {grid} does not multiply to {self.comm.size} ranks")
-        self.device = place_rank(device, self.comm)
+        try:
+            self.device, error = place_rank(device, self.comm), None
+        except ValueError as exc:
+            self.device, error = torch.device("cpu"), describe(exc, self.comm.rank)
         self.dtype = dtype or model_dtype(model)
         if self.dtype not in (torch.float32, torch.float64):
             raise ValueError(
@@ -278,13 +319,16 @@ class ShardedCalculator(Calculator):
                 "forces are not usable for MD; pass dtype=torch.float32 to run such a model"
             )
         self.model = model.to(device=self.device, dtype=self.dtype)
-        digests = self.comm.allgather(model_digest(self.model))
-        differing = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
-        if differing:
-            raise ValueError(
+        views = self.comm.allgather((error, model_digest(self.model)))
+        errors = [view[0] for view in views if view[0] is not None]
+        differing = [rank for rank, view in enumerate(views) if view[1] != views[0][1]]
+        if errors or differing:
+            error = rebuild(errors) if errors else ValueError(
                 f"the model's parameters on ranks {differing} differ from rank 0's: build "
                 "it identically on every rank (same seed or the same checkpoint)"
             )
+            self.comm.raised_together(error)
+            raise error
         # parameters stay JSON-encodable so Trajectory can write them
         self.parameters.update(
             skin=float(skin),
@@ -292,6 +336,7 @@ class ShardedCalculator(Calculator):
             grid=list(grid) if grid else None,
             halo=halo,
             compile=compile,
+            min_distance=float(min_distance),
             model=type(model).__name__,
         )
         self.rebuilds = 0
@@ -310,6 +355,7 @@ class ShardedCalculator(Calculator):
         self._idle_root = False
         self._on_close: list = []
         self._block: LocalBlock | None = None
+        self._copies: list[Atoms] = []  # this call's Atoms: the caller's and ours
         self._state: _Decomposition | None = None
         self._calls = 0  # calculations so far, the same count on every rank
         self.inputs = ModelInputs.of(model)
@@ -377,8 +423,11 @@ class ShardedCalculator(Calculator):
         return changes
 
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes):
+        # the caller's Atoms too, so a re-synchronisation (see _settle) reaches them
+        self._copies = [copy for copy in (atoms,) if copy is not None]
         Calculator.calculate(self, atoms, properties, system_changes)
         atoms = self.atoms
+        self._copies.append(atoms)
         if self.inputs and atoms is not None:
             self._inputs_digest = self.inputs.digest(atoms, self.parameters)
         request = self._request(atoms, properties, system_changes)
@@ -390,10 +439,12 @@ class ShardedCalculator(Calculator):
             )
         try:
             self._calculate(atoms, request)
-        except BaseException:
+        except BaseException as exc:
             # the next call starts from a fresh decomposition on every rank
             self._state = self._block = None
             self._inputs_digest = None
+            if isinstance(exc, Exception) and not self._driven:
+                self.comm.raised_together(exc)  # errors leave _calculate on every rank
             raise
 
     def _request(self, atoms: Atoms, properties, system_changes) -> _Request:
@@ -522,9 +573,11 @@ class ShardedCalculator(Calculator):
             raise rebuild(errors)
         reason = next((view[1] for view in views if view[1] is not None), None)
         if spmd and reason is None:
-            self._compare_shares([view[2] for view in views], request.n_atoms)
+            if self._compare_shares([view[2] for view in views], request):
+                # the rows fetched and the reuse vote were of the unsynchronised copies
+                reason = "positions re-synchronised from rank 0"
         elif reason is not None and not self._driven:
-            self._compare_fingerprints(atoms)
+            self._compare_fingerprints(atoms, request)
         return reason
 
     def _displacement_reason(
@@ -562,9 +615,12 @@ class ShardedCalculator(Calculator):
             names = np.repeat(np.array(list(shapes), dtype=object), widths)
             raise ValueError(f"per-atom model inputs {sorted(set(names[~finite]))} are not finite")
 
-    def _compare_shares(self, shares: list, n_atoms: int) -> None:
-        """Reuse step: the ranks' small fields and checked slices must agree."""
-        differing = []
+    def _compare_shares(self, shares: list, request: _Request) -> bool:
+        """Reuse step: the ranks' small fields and checked slices must agree.
+
+        Returns whether the copies were re-synchronised (see :meth:`_settle`).
+        """
+        differing, fixable = [], True
         for rank, share in enumerate(shares):
             fields = [
                 name
@@ -575,12 +631,45 @@ class ShardedCalculator(Calculator):
             ] + (["model inputs"] if share[1] != shares[0][1] else [])
             if fields:
                 differing.append(f"rank {rank}: {', '.join(fields)}")
+                fixable &= fields == ["cell"]
         if not differing:
-            differing = slice_disagreements([share[2] for share in shares], n_atoms, self._calls)
+            differing = slice_disagreements(
+                [share[2] for share in shares], request.n_atoms, self._calls
+            )
+            fixable = all(": positions of" in text for text in differing)
         if differing:
-            raise _diverged("; ".join(differing))
+            self._settle("; ".join(differing), fixable, request)
+        return bool(differing)
 
-    def _compare_fingerprints(self, atoms: Atoms) -> None:
+    def _settle(self, detail: str, fixable: bool, request: _Request) -> None:
+        """The ranks' copies differ in ``detail``: re-synchronise them, or raise.
+
+        Copies that differ only in positions and cell, by at most
+        :data:`SYNC_TOLERANCE` Å from rank 0's (round-off, e.g. an optimiser's
+        random start on each rank), take rank 0's values, as GPAW does; any
+        other difference raises the same ``ValueError`` on every rank.
+        """
+        if fixable:
+            atoms = self._copies[-1]
+            # rare, so pickled: rank 0's whole copy
+            positions, cell = self.comm.bcast(
+                (atoms.positions, atoms.cell.array) if self.comm.is_root else None
+            )
+            deviation = max(
+                np.abs(atoms.positions - positions).max(initial=0.0),
+                np.abs(atoms.cell.array - cell).max(),
+            )
+            worst = max(self.comm.allgather(deviation))
+            if worst <= SYNC_TOLERANCE:
+                for copy in self._copies:
+                    copy.positions[:] = positions
+                    copy.cell.array[:] = cell
+                request.cell = cell.copy()
+                return
+            detail += f"; by up to {worst:.3g} Å"
+        raise _diverged(detail)
+
+    def _compare_fingerprints(self, atoms: Atoms, request: _Request) -> None:
         """Rebuild: every rank's whole copy against rank 0's, and its elements.
 
         One more allgather (none on one rank); the elements are checked on
@@ -602,7 +691,8 @@ class ShardedCalculator(Calculator):
             }
             if differing:
                 detail = "; ".join(f"rank {r}: {', '.join(f)}" for r, f in differing.items())
-                raise _diverged(detail)
+                fixable = all(set(f) <= {"positions", "cell"} for f in differing.values())
+                self._settle(detail, fixable, request)
         if error is not None:
             raise rebuild([error])
 
@@ -646,6 +736,7 @@ class ShardedCalculator(Calculator):
                 state.exchange if self.parameters["halo"] == "layer" else None,
                 self.timer,
                 self._compiled,
+                self.parameters["min_distance"],
             )
             needed = self._block.needed()
         except Exception as exc:

@@ -88,6 +88,12 @@ class Comm:
     def is_root(self) -> bool:
         return self.rank == 0
 
+    def raised_together(self, error: BaseException) -> None:
+        """Mark ``error``, raised by every rank of this communicator, when they are the job."""
+        world = sys.modules["mpi4py.MPI"].COMM_WORLD if self.mpi is not None else None
+        if world is not None and self.size == world.Get_size() > 1:
+            raised_on_every_rank(error)
+
     @contextmanager
     def _call(self) -> Iterator[None]:
         """Charge the enclosed MPI call's CPU time to :attr:`mpi_cpu`."""
@@ -223,19 +229,14 @@ class Comm:
             self._wait_for_all(timeout, waiting_for)
 
     def _wait_for_all(self, timeout: float | None, waiting_for: str) -> None:
-        request = self.mpi.Ibarrier()
-        start, pause = time.monotonic(), 1e-6
-        while not request.Test():
-            waited = time.monotonic() - start
-            if timeout is not None and waited > timeout:
-                sys.stderr.write(
-                    f"ase_shard: rank {self.rank} waited {waited:.0f} s for the other ranks "
-                    f"to {waiting_for}; aborting the MPI job\n"
-                )
-                sys.stderr.flush()
-                self.mpi.Abort(1)
-            time.sleep(pause)
-            pause = min(2.0 * pause, 1e-3)  # quick when they are close, cheap when not
+        start = time.monotonic()
+        if not _poll(self.mpi.Ibarrier().Test, timeout):
+            sys.stderr.write(
+                f"ase_shard: rank {self.rank} waited {time.monotonic() - start:.0f} s for the "
+                f"other ranks to {waiting_for}; aborting the MPI job\n"
+            )
+            sys.stderr.flush()
+            self.mpi.Abort(1)
 
     def split_self(self) -> Any:
         """A new communicator holding only this rank (collective); ``None`` serially.
@@ -262,6 +263,35 @@ class Comm:
             return local.Get_rank(), local.Get_size()
         finally:
             local.Free()
+
+
+def _poll(test: Any, timeout: float | None) -> bool:
+    """Call ``test()`` until it is true (then ``True``) or ``timeout`` s pass (``False``).
+
+    Sleeps between polls instead of spinning in MPI, so waiting ranks leave
+    the cores to the ranks still working.
+    """
+    start, pause = time.monotonic(), 1e-6
+    while not test():
+        if timeout is not None and time.monotonic() - start > timeout:
+            return False
+        time.sleep(pause)
+        pause = min(2.0 * pause, 1e-3)  # quick when they are close, cheap when not
+    return True
+
+
+# set on an exception that every rank of MPI.COMM_WORLD raised together
+_EVERY_RANK = "ase_shard_raised_on_every_rank"
+
+
+def raised_on_every_rank(error: BaseException) -> BaseException:
+    """Mark ``error`` as raised by every rank of the job at once (returns it).
+
+    If it ends the script, the ranks exit together and only rank 0 prints it
+    (:func:`abort_job_on_uncaught_exception`).
+    """
+    setattr(error, _EVERY_RANK, True)
+    return error
 
 
 def describe(error: BaseException, rank: int) -> tuple:
@@ -317,6 +347,37 @@ def _lor():
     return MPI.LOR
 
 
+# seconds ranks wait for each other at a common exit before aborting the job
+EXIT_TIMEOUT = 10.0
+_EXIT_TAG = 32001
+
+
+def _all_ranks_exit(world: Any) -> bool:
+    """Whether every rank of ``world`` reaches this point within :data:`EXIT_TIMEOUT` s.
+
+    Point-to-point messages on their own tag, not a collective: a rank still
+    inside some other collective must not be matched with this one.
+    """
+    from mpi4py import MPI
+
+    if world.Get_rank() == 0:
+        arrivals = [
+            world.Irecv([bytearray(1), MPI.BYTE], source=rank, tag=_EXIT_TAG)
+            for rank in range(1, world.Get_size())
+        ]
+        if not _poll(lambda: MPI.Request.Testall(arrivals), EXIT_TIMEOUT):
+            return False
+        for rank in range(1, world.Get_size()):
+            world.Send([bytearray(1), MPI.BYTE], dest=rank, tag=_EXIT_TAG)
+        return True
+    arrival = world.Isend([bytearray(1), MPI.BYTE], dest=0, tag=_EXIT_TAG)
+    release = world.Irecv([bytearray(1), MPI.BYTE], source=0, tag=_EXIT_TAG)
+    if not _poll(release.Test, EXIT_TIMEOUT):
+        return False
+    arrival.Wait()  # rank 0 received it: complete at once
+    return True
+
+
 def abort_job_on_uncaught_exception() -> bool:
     """Make an uncaught exception on one rank end the whole MPI job.
 
@@ -325,8 +386,12 @@ def abort_job_on_uncaught_exception() -> bool:
     prints which rank failed and the traceback, then has mpi4py call
     ``MPI_Abort`` once the interpreter exits (what ``python -m mpi4py`` does):
     ``atexit`` handlers still run first, so a worker-mode rank 0 still releases
-    its servers. Installed only under an MPI launcher with more than one rank
-    in ``MPI.COMM_WORLD``; calling it again changes nothing.
+    its servers. An error that every rank raised together
+    (:func:`raised_on_every_rank`) is printed by rank 0 alone and the ranks
+    exit with status 1 without ``MPI_Abort``, once they have all checked in
+    (within :data:`EXIT_TIMEOUT` s; else the job is aborted as above).
+    Installed only under an MPI launcher with more than one rank in
+    ``MPI.COMM_WORLD``; calling it again changes nothing.
 
     Returns
     -------
@@ -345,6 +410,11 @@ def abort_job_on_uncaught_exception() -> bool:
     from mpi4py.run import set_abort_status
 
     def hook(kind, value, traceback) -> None:
+        if getattr(value, _EVERY_RANK, False) and _all_ranks_exit(world):
+            # one report for the job; each rank exits 1 and finalizes MPI normally
+            if world.Get_rank() == 0:
+                previous(kind, value, traceback)
+            return
         status = value if isinstance(value, KeyboardInterrupt) else 1
         set_abort_status(status)
         sys.stderr.write(

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import numpy as np
 from ase import Atoms
 from ase.build import bulk
+from ase.geometry import get_distances
 from ase.md.velocitydistribution import Stationary, thermalize_momenta
 
 from ase_shard.comm import Comm
@@ -81,12 +82,21 @@ def thermalised_cu(repeat: int, temperature_k: float, seed: int) -> Atoms:
 def random_gas(pbc, n_atoms: int = 64, seed: int = 0) -> Atoms:
     """Random positions of Cu, Ag and Au in a ~10 Å box with the given ``pbc``.
 
-    Non-periodic axes get a zero cell vector, the harshest legal input.
+    Non-periodic axes get a zero cell vector, the harshest legal input. Atoms
+    are redrawn until no two (nor periodic images) are closer than 1 Å, so
+    ShardedCalculator's ``min_distance`` check passes.
     """
     rng = np.random.default_rng(seed)
     lengths = np.array([10.0, 10.5, 11.0])
     cell = np.diag(np.where(pbc, lengths, 0.0))
     cell[1, 0] = 1.5 if pbc[0] and pbc[1] else 0.0  # triclinic when possible
     positions = rng.uniform(0.0, 1.0, (n_atoms, 3)) * lengths
+    while True:
+        distances = get_distances(positions, cell=cell, pbc=pbc)[1]
+        np.fill_diagonal(distances, np.inf)
+        crowded = np.flatnonzero((distances < 1.0).any(axis=1))
+        if not len(crowded):
+            break
+        positions[crowded[0]] = rng.uniform(0.0, 1.0, 3) * lengths
     numbers = rng.choice([29, 47, 79], n_atoms)
     return Atoms(numbers=numbers, positions=positions, cell=cell, pbc=pbc)

@@ -184,3 +184,24 @@ def test_atom_a_billion_angstrom_away() -> None:
     assert outcome.returncode == 0, outcome.output
     error = float(outcome.output.split("far-atom error=")[1].split()[0])
     assert error <= 1e-10
+
+
+# -- 4: an error every rank raised together ---------------------------------------------
+
+
+def test_error_on_every_rank_is_reported_once() -> None:
+    """Every rank raises the same error: one traceback (rank 0's), exit 1, no MPI_Abort."""
+    outcome = mpirun("spmd.py", "overlap", timeout=60)
+    assert outcome.returncode == 1, outcome.output
+    assert outcome.output.count("Traceback") == 1, outcome.output
+    assert outcome.output.count("closer than min_distance") == 1, outcome.output
+    assert "atoms 4 and 9 are 0.3464 Å apart" in outcome.output
+    assert "MPI_ABORT" not in outcome.output and "uncaught" not in outcome.output
+    assert not outcome.leftovers, outcome.leftovers
+
+
+def test_error_caught_on_one_rank_still_ends_the_job() -> None:
+    """One rank catches the shared error and waits: rank 0 stops waiting and aborts."""
+    outcome = mpirun("spmd.py", "overlap-caught", timeout=90)
+    assert_job_ended(outcome)
+    assert "MPI_ABORT" in outcome.output

@@ -12,6 +12,10 @@ later the last rank prints ``fault`` and injects ``MODE``:
   calculator's ``timeout`` (5 s here) and aborts the job.
 - ``far-atom``: no fault; a cluster with one atom 1e9 Å away, checked against
   ASE's EMT (rank 0 prints the largest relative error).
+- ``overlap``: two atoms 0.2 Å apart; every rank raises the same ValueError
+  and lets it end the script (one report, exit status 1, no MPI_Abort).
+- ``overlap-caught``: the same, but the last rank catches the error and waits
+  in another collective: rank 0 gives up on it and aborts the job.
 """
 
 import os
@@ -55,10 +59,28 @@ def far_atom(comm: Comm) -> None:
         print(f"far-atom error={error:.1e}", flush=True)
 
 
+def overlap(comm: Comm, caught: bool) -> None:
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(3)
+    atoms.positions[4] = atoms.positions[9] + 0.2
+    atoms.calc = ShardedCalculator(EMT())
+    if comm.is_root:
+        print("fault overlap", flush=True)
+    try:
+        atoms.get_potential_energy()
+    except ValueError:
+        if not (caught and comm.rank == comm.size - 1):
+            raise
+        comm.allgather(None)  # the other ranks never come
+        print(f"rank {comm.rank}: finished, which it must not", flush=True)
+
+
 def main(mode: str) -> None:
     comm = Comm()
     if mode == "far-atom":
         far_atom(comm)
+        return
+    if mode.startswith("overlap"):
+        overlap(comm, caught=mode == "overlap-caught")
         return
     last = comm.size - 1
     atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(3)
