@@ -19,6 +19,7 @@ sends each rank only its node rows and receives only owned results.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections.abc import Sequence
@@ -32,7 +33,7 @@ from ase import Atoms
 from ase.calculators.calculator import Calculator, all_changes
 
 from ase_shard.block import LocalBlock
-from ase_shard.comm import CALCULATE, CLOSE, Comm, describe, rebuild
+from ase_shard.comm import CALCULATE, CLOSE, Comm, describe, node_local_rank, rebuild
 from ase_shard.exchange import HaloExchange, PeerFailure
 from ase_shard.graph import (
     ShardModel,
@@ -83,10 +84,44 @@ def place_rank(device: Any, comm: Comm) -> torch.device:
     if node_size > 1 and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // node_size))
     if device is not None:
-        return checked_device(device)
-    if torch.cuda.is_available():
-        return torch.device(f"cuda:{node_rank % torch.cuda.device_count()}")
-    return torch.device("cpu")
+        placed = checked_device(device)
+    elif torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        # the launcher's node-local rank counts every process of the job on this
+        # node, so calculators on sub-communicators do not pile onto the same GPUs
+        launcher_rank, launcher_size = node_local_rank()
+        if launcher_rank is not None:
+            node_rank, node_size = launcher_rank, launcher_size
+        if node_size > gpus:
+            logger.warning(
+                "%d ranks on this node share %d GPU(s); give each rank its own GPU, "
+                "or use MPS, for full speed",
+                node_size,
+                gpus,
+            )
+        placed = torch.device(f"cuda:{node_rank % gpus}")
+    else:
+        placed = torch.device("cpu")
+    if placed.type == "cuda":
+        # kernels, allocations and synchronisations without a device index go here,
+        # not to GPU 0
+        torch.cuda.set_device(placed)
+    return placed
+
+
+def placed(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """``model`` on ``device`` in ``dtype``: a copy if that moves or casts it.
+
+    ``Module.to`` works in place, which would change the caller's model (and
+    make a CPU reference evaluated after it run on the GPU).
+    """
+    def in_place(tensor: torch.Tensor) -> bool:
+        cast = tensor.is_floating_point() and tensor.dtype != dtype
+        return tensor.device == device and not cast
+
+    if all(map(in_place, [*model.parameters(), *model.buffers()])):
+        return model
+    return copy.deepcopy(model).to(device=device, dtype=dtype)
 
 
 def checked_device(device: Any) -> torch.device:
@@ -318,7 +353,7 @@ class ShardedCalculator(Calculator):
                 "precision (float16/bfloat16) edge vectors keep 3 significant digits and "
                 "forces are not usable for MD; pass dtype=torch.float32 to run such a model"
             )
-        self.model = model.to(device=self.device, dtype=self.dtype)
+        self.model = placed(model, self.device, self.dtype)
         views = self.comm.allgather((error, model_digest(self.model)))
         errors = [view[0] for view in views if view[0] is not None]
         differing = [rank for rank, view in enumerate(views) if view[1] != views[0][1]]
@@ -955,3 +990,7 @@ class ShardedCalculator(Calculator):
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+# help(ShardedCalculator.__init__) would otherwise show ASE's base-class text
+ShardedCalculator.__init__.__doc__ = ShardedCalculator.__doc__

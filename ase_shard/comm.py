@@ -265,6 +265,29 @@ class Comm:
             local.Free()
 
 
+# (rank, size) on this node as launchers export them: Open MPI, MPICH/Hydra, Slurm
+_NODE_LOCAL = (
+    ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+)
+
+
+def node_local_rank() -> tuple[int | None, int]:
+    """This process's rank among the job's processes on its node, and their number.
+
+    From the launcher's environment, so no collective is needed; ``(None, 1)``
+    when no launcher says.
+    """
+    for rank, size in _NODE_LOCAL:
+        if rank in os.environ and size in os.environ:
+            try:
+                return int(os.environ[rank]), int(os.environ[size])
+            except ValueError:
+                continue  # e.g. Slurm's "2(x3)" task counts
+    return None, 1
+
+
 def _poll(test: Any, timeout: float | None) -> bool:
     """Call ``test()`` until it is true (then ``True``) or ``timeout`` s pass (``False``).
 

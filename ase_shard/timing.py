@@ -45,7 +45,9 @@ class PhaseTimer:
     """
 
     def __init__(self, device: torch.device | None = None, comm: Any = None):
-        self.synchronize = device is not None and torch.device(device).type == "cuda"
+        device = torch.device(device) if device is not None else None
+        # this rank's GPU, not GPU 0
+        self.synchronize = device if device is not None and device.type == "cuda" else None
         self.comm = comm
         self.reset()
 
@@ -60,14 +62,14 @@ class PhaseTimer:
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Charge the time spent in the ``with`` block to ``name``."""
-        if self.synchronize:
-            torch.cuda.synchronize()
+        if self.synchronize is not None:
+            torch.cuda.synchronize(self.synchronize)
         start, start_cpu, start_mpi = time.perf_counter(), time.process_time(), self._mpi_cpu()
         try:
             yield
         finally:
-            if self.synchronize:
-                torch.cuda.synchronize()
+            if self.synchronize is not None:
+                torch.cuda.synchronize(self.synchronize)
             self.totals[name] += time.perf_counter() - start
             mpi = self._mpi_cpu() - start_mpi
             self.cpu[name] += time.process_time() - start_cpu - mpi

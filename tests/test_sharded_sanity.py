@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from ase import Atoms, units
 from ase.build import bulk
 from ase.calculators.emt import EMT as AseEMT
@@ -260,3 +261,17 @@ def test_extxyz_frames_carry_what_ases_own_calculator_writes(tmp_path) -> None:
     assert "stresses" not in arrays["sharded"][1]
     atoms.get_stresses()  # asked for: then they are there
     assert atoms.calc.results["stresses"].shape == (len(atoms), 6)
+
+
+def test_the_callers_model_is_not_moved_or_cast() -> None:
+    """The calculator evaluates a copy when it must cast; the caller's model stays."""
+    model = EMT()
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    atoms = _rattled_cu()
+    atoms.calc = calc = ShardedCalculator(model, dtype=torch.float32)
+    atoms.get_forces()
+    assert calc.model is not model
+    for name, tensor in model.state_dict().items():
+        assert tensor.dtype == before[name].dtype, name
+        torch.testing.assert_close(tensor, before[name], rtol=0, atol=0, equal_nan=True)
+    assert ShardedCalculator(model).model is model  # nothing to move: no copy
