@@ -16,6 +16,8 @@ import io
 import os
 import shutil
 import sys
+import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +106,104 @@ def spawn(model: torch.nn.Module, workers: int = 2, **kwargs: Any) -> ShardedCal
         release()  # the workers leave too: they disconnect after a failed start
         raise
     calc._on_close.append(release)
+    _spawned.add(calc)
+    _stop_before_kernel_shutdown()
     return _drive_or_serve(calc)
+
+
+# calculators started by spawn() in this process, for a Jupyter kernel's shutdown
+_spawned: weakref.WeakSet = weakref.WeakSet()
+
+
+def _stop_before_kernel_shutdown() -> None:
+    """In a Jupyter kernel, stop the workers and Open MPI before the kernel's own clean-up.
+
+    ``MPI_Comm_spawn`` from a singleton forks Open MPI's ``prte`` launcher into this
+    process's process group; it lives until this process exits. On a shutdown request
+    ipykernel sends SIGTERM, again and again, to every process in its group before it
+    exits: the first signal makes ``prte`` abort, the second makes it print "Abort is in
+    progress...hit ctrl-c again to forcibly terminate", the third kills it (and the
+    workers, if still running). So, at the shutdown request and before that clean-up,
+    close every spawned calculator, finalize MPI and let ``prte`` exit as it does when
+    this process exits. The kernel is going away, so MPI need not be usable afterwards.
+    """
+    kernel = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+    kernel = getattr(kernel, "kernel", None)
+    if kernel is None or getattr(kernel, "_ase_shard_stops_workers", False):
+        return
+    do_shutdown = kernel.do_shutdown
+
+    def stop_then_shut_down(restart):
+        _stop_spawned()
+        return do_shutdown(restart)
+
+    kernel.do_shutdown = stop_then_shut_down
+    kernel._ase_shard_stops_workers = True
+
+
+def _stop_spawned(timeout: float = 10.0) -> None:
+    """Close the spawned calculators, finalize MPI and wait for ``prte`` to exit."""
+    for calc in list(_spawned):
+        try:
+            calc.close()
+        except Exception:
+            pass  # a worker that died is prte's to report
+    from mpi4py import MPI
+
+    if MPI.Is_finalized():
+        return
+    launchers = _launchers()
+    deadline = time.monotonic() + timeout
+    # the workers finalize MPI through prte: let them exit first
+    while any(_children(pid) for pid, _ in launchers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    MPI.Finalize()
+    for pid, pipe_fds in launchers:
+        for fd in pipe_fds:
+            os.close(fd)  # prte watches this pipe to learn that this process has gone
+        while pipe_fds and time.monotonic() < deadline:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    break
+            except ChildProcessError:
+                break
+            time.sleep(0.05)
+
+
+def _children(pid: int) -> list[int]:
+    """Process ids whose parent is ``pid`` (Linux ``/proc``; empty elsewhere)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            stat = entry.read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] != "Z" and int(fields[1]) == pid:
+            found.append(int(entry.parent.name))
+    return found
+
+
+def _launchers() -> list[tuple[int, list[int]]]:
+    """This process's ``prte`` children and our ends of their ``--keepalive`` pipes."""
+    found = []
+    for pid in _children(os.getpid()):
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            if Path(args[0]).name != "prte" or "--keepalive" not in args:
+                continue
+            pipe = os.readlink(f"/proc/{pid}/fd/{args[args.index('--keepalive') + 1]}")
+        except (OSError, IndexError, ValueError):
+            continue
+        ours = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                if os.readlink(f"/proc/self/fd/{fd}") == pipe:
+                    ours.append(int(fd))
+            except OSError:
+                pass
+        found.append((pid, ours))
+    return found
 
 
 def _spawned_calculator(model, comm, kwargs: dict) -> ShardedCalculator:
@@ -155,6 +254,10 @@ def worker_main() -> None:
     worker quietly after it has told the parent (which raises) or after the
     parent raised the same error itself; either way the worker disconnects and
     exits, so no worker outlives a failed ``spawn``.
+
+    The worker finalizes MPI right after it disconnects and exits without the
+    interpreter's teardown (seconds with torch loaded, on a busy machine): the
+    parent's kernel waits for its workers before it lets ``prte`` go.
     """
     from mpi4py import MPI
 
@@ -173,3 +276,7 @@ def worker_main() -> None:
             pass  # the same arguments made the parent raise this error
     comm.Free()
     parent.Disconnect()
+    MPI.Finalize()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

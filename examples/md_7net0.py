@@ -3,7 +3,7 @@
     mpirun -n 2 python examples/md_7net0.py
 
 7net-0 ships inside the ``sevenn`` wheel, so this runs offline
-(``pip install "ase-shard[sevenn]"``). A molecule has no periodic images, so the
+(in the clone: ``pip install -e ".[sevenn]"``). A molecule has no periodic images, so the
 halo of this 5-layer model (25 Å) costs nothing beyond the molecule itself.
 """
 

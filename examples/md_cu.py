@@ -1,7 +1,7 @@
 """NVE molecular dynamics of fcc copper with EMT, one system spread over MPI ranks.
 
     python examples/md_cu.py                    # one rank
-    mpirun -n 2 python examples/md_cu.py        # two ranks (`make demo`), same numbers
+    mpirun -n 2 python examples/md_cu.py        # two ranks, same numbers to round-off
 
 Set OMP_NUM_THREADS=1 (as `make demo` does) when ranks share a small machine: torch's
 own threads otherwise compete with the other ranks and with each other.

@@ -1,16 +1,25 @@
-"""The example notebook runs headlessly, spawns its workers and leaves none behind."""
+"""The example notebook runs headlessly, spawns its workers and leaves none behind.
+
+Also: the notebook is committed with its outputs, and shutting spawned workers down
+(``calc.close()`` in a script, or a Jupyter kernel's shutdown) prints no Open MPI abort
+banner ("Abort is in progress...hit ctrl-c again to forcibly terminate").
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "cu_nanoparticle.ipynb"
+BANNER = "Abort is in progress"
 
 
 def _workers_alive() -> bool:
@@ -18,7 +27,20 @@ def _workers_alive() -> bool:
     return any("worker_main" in line and "ps -eo" not in line for line in listing.splitlines())
 
 
-def test_notebook_runs_and_plots(monkeypatch) -> None:
+def _plain_environment() -> dict[str, str]:
+    """This environment without launcher variables: a plain process even under mpirun."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for name in list(env):
+        if name.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_")):
+            env.pop(name)
+    return env
+
+
+def _code_outputs(notebook) -> list:
+    return [out for cell in notebook.cells if cell.cell_type == "code" for out in cell.outputs]
+
+
+def test_notebook_runs_and_plots(monkeypatch, capfd) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     for name in [n for n in os.environ if n.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_"))]:
@@ -26,7 +48,7 @@ def test_notebook_runs_and_plots(monkeypatch) -> None:
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     NotebookClient(notebook, timeout=300, kernel_name="python3").execute()
 
-    outputs = [out for cell in notebook.cells if cell.cell_type == "code" for out in cell.outputs]
+    outputs = _code_outputs(notebook)
     assert not [out for out in outputs if out.output_type == "error"]
     images = [out for out in outputs if "image/png" in out.get("data", {})]
     assert len(images) == 2
@@ -34,8 +56,80 @@ def test_notebook_runs_and_plots(monkeypatch) -> None:
     assert "3 ranks" in text
     drift = float(text.split("total-energy drift: ")[1].split()[0])
     assert abs(drift) < 1e-3
+    # the kernel, prte and the workers write to this process's stderr
+    assert BANNER not in capfd.readouterr().err
 
     deadline = time.monotonic() + 20
     while _workers_alive() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not _workers_alive()
+
+
+def test_committed_notebook_has_outputs() -> None:
+    """The notebook is saved executed, so GitHub shows its text and plots."""
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    assert all(cell.execution_count is not None for cell in code), "re-run with outputs saved"
+    outputs = _code_outputs(notebook)
+    assert not [out for out in outputs if out.output_type == "error"]
+    assert len([out for out in outputs if "image/png" in out.get("data", {})]) == 2
+    text = "".join(out.get("text", "") for out in outputs)
+    assert "3 ranks" in text and "total-energy drift" in text
+    assert NOTEBOOK.stat().st_size < 300_000  # plots and a few lines, no logs
+
+
+# Spawn two workers, evaluate, print the pids of prte and the workers, and end either
+# with calc.close() (a script) or with nothing (a kernel's shutdown must stop them).
+SPAWN = """
+import json, os
+import ase_shard
+from ase.build import bulk
+from ase_shard.models import EMT
+from ase_shard.worker import _children, _launchers
+
+atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(3)
+atoms.calc = ase_shard.spawn(EMT(), workers=2)
+atoms.get_potential_energy()
+pids = [pid for launcher, _ in _launchers() for pid in [launcher, *_children(launcher)]]
+print("PIDS", json.dumps(pids))
+"""
+
+# Executes SPAWN in a Jupyter kernel (what the notebook does); the kernel's stderr is ours.
+KERNEL = """
+import sys
+import nbformat
+from nbclient import NotebookClient
+
+notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(sys.argv[1])])
+NotebookClient(notebook, timeout=120, kernel_name="python3").execute()
+print("".join(out.get("text", "") for out in notebook.cells[0].outputs))
+"""
+
+
+@pytest.mark.parametrize("driver", ["script", "kernel"])
+def test_spawned_shutdown_prints_no_abort_banner(driver: str) -> None:
+    """A clean exit stops prte and the workers quietly.
+
+    Under ipykernel, prte (which Open MPI forks for MPI_Comm_spawn) is in the kernel's
+    process group, and the kernel's shutdown sends SIGTERM to that group's processes
+    again and again; unless spawn() stopped prte first, the second one prints the banner.
+    """
+    if driver == "script":
+        args = [sys.executable, "-c", SPAWN + "atoms.calc.close()\n"]
+    else:
+        args = [sys.executable, "-c", KERNEL, SPAWN]
+    done = subprocess.run(
+        args, capture_output=True, text=True, timeout=240, env=_plain_environment()
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert BANNER not in done.stderr, done.stderr
+    assert "ERROR" not in done.stderr, done.stderr
+    pids = json.loads(done.stdout.split("PIDS")[1].splitlines()[0])
+    assert len(pids) == 3  # prte and two workers
+
+    deadline = time.monotonic() + 20
+    while (alive := [pid for pid in pids if Path(f"/proc/{pid}").exists()]) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.2)
+    assert not alive, f"left running: {alive}"
