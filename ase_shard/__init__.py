@@ -5,10 +5,31 @@ from ase_shard.comm import abort_job_on_uncaught_exception, init_mpi
 init_mpi()  # before ASE fixes ase.parallel.world
 abort_job_on_uncaught_exception()  # one rank's uncaught exception ends the job, no hang
 
-from ase_shard.calculator import ShardedCalculator  # noqa: E402
-from ase_shard.comm import CollectiveError  # noqa: E402
-from ase_shard.graph import LocalGraph, ShardModel  # noqa: E402
-from ase_shard.worker import serve, spawn  # noqa: E402
+# the package-level names import torch: loaded on first use (PEP 562), so that
+# `ase-shard --help` and other torch-free imports stay fast
+_LAZY = {
+    "ShardedCalculator": "ase_shard.calculator",
+    "CollectiveError": "ase_shard.comm",
+    "LocalGraph": "ase_shard.graph",
+    "ShardModel": "ase_shard.graph",
+    "serve": "ase_shard.worker",
+    "spawn": "ase_shard.worker",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ase_shard' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
 
 __all__ = [
     "CollectiveError",

@@ -800,6 +800,7 @@ def run_benchmark(
     calc = ShardedCalculator(model, skin=settings.skin, dtype=dtype, **options)
     device, dtype = calc.device, calc.dtype
     threads = comm.gather(torch.get_num_threads())
+    affinity = comm.gather(_cpus())
     entries = [_Entry("sharded", _ShardedSubject(calc, atoms.copy()), everyone=True)]
     alone = None
     if comm.size > 1 and settings.serial_reference:
@@ -844,7 +845,15 @@ def run_benchmark(
     report = {
         "schema": "ase-shard-bench/1",
         **_report_header(
-            atoms, model, settings, threads, device, dtype, labels, load_start, comm.size
+            atoms,
+            model,
+            settings,
+            (threads, affinity),
+            device,
+            dtype,
+            labels,
+            load_start,
+            comm.size,
         ),
         "agreement": _agreement(results, forces),
         "results": results,
@@ -858,7 +867,7 @@ def _report_header(
     atoms: Atoms,
     model: torch.nn.Module,
     settings: StepSettings,
-    threads: list[int],
+    threads: tuple[list[int], list[int]],
     device: torch.device,
     dtype: torch.dtype,
     labels: dict | None,
@@ -867,14 +876,18 @@ def _report_header(
 ) -> dict:
     """What a report says about the run besides its results: labels, environment
     (with the load average at ``load_start`` and now), ranks, threads, device,
-    dtype, system, model and settings."""
+    dtype, system, model and settings. ``threads`` is each rank's torch threads
+    and the number of CPUs its affinity allows."""
+    threads, affinity = threads
     settings_json = asdict(settings)
     settings_json["calculator"] = {k: str(v) for k, v in (settings.calculator or {}).items()}
     return {
         "labels": dict(labels or {}),
         "environment": {
             "host": socket.gethostname(),
-            "cpus": _cpus(),
+            # the machine's; a launcher that binds ranks to cores leaves each rank fewer
+            "cpus": os.cpu_count(),
+            "cpus_per_rank": affinity,
             "python": platform.python_version(),
             "torch": torch.__version__,
             "ase_shard": ase_shard.__version__,
@@ -1188,6 +1201,7 @@ def run_framework(
     thermalize_momenta(atoms, temperature_K=settings.temperature, rng=rng)
     calc = ShardedCalculator(model, skin=settings.skin, dtype=dtype, **(settings.calculator or {}))
     threads = comm.gather(torch.get_num_threads())
+    affinity = comm.gather(_cpus())
     memory = PeakMemory(calc.device)
     memory.start()
     baseline = _Dynamics(atoms, ZeroCalculator(), settings.timestep)
@@ -1220,7 +1234,15 @@ def run_framework(
     return {
         "schema": "ase-shard-bench-framework/1",
         **_report_header(
-            atoms, model, settings, threads, calc.device, calc.dtype, labels, load_start, comm.size
+            atoms,
+            model,
+            settings,
+            (threads, affinity),
+            calc.device,
+            calc.dtype,
+            labels,
+            load_start,
+            comm.size,
         ),
         "schedule": schedule,
         "rebuilds": calc.rebuilds,  # the first call's build included
@@ -1341,9 +1363,19 @@ def _header_lines(report: dict, title: str) -> list[str]:
         f"({model['class']}, cutoff {model['cutoff']:g} Å, {report['dtype']}), "
         f"{_ranks(report['ranks'])} x {max(report['threads_per_rank'])} thread(s), "
         f"{report['device']}, skin {report['settings']['skin']:g} Å",
-        f"  {report['environment']['cpus']} CPUs; 1-minute load average at start and end: "
+        f"  {_cpu_text(report['environment'])}; 1-minute load average at start and end: "
         + ", ".join("-" if x is None else f"{x:.1f}" for x in load),
     ]
+
+
+def _cpu_text(environment: dict) -> str:
+    """The machine's CPUs and those each rank may run on (its affinity)."""
+    text = f"{environment['cpus']} CPUs"
+    per_rank = environment.get("cpus_per_rank")  # absent from reports before it was added
+    if per_rank:
+        low, high = min(per_rank), max(per_rank)
+        text += f", {low if low == high else f'{low}-{high}'} usable per rank (affinity)"
+    return text
 
 
 def _source_note(report: dict) -> list[str]:
@@ -1513,6 +1545,18 @@ def format_framework_summary(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _subject_ticks(axes, x: np.ndarray, labels: list[str]) -> None:
+    """Subject names under the bars, wrapped and slanted: side by side they overlap."""
+    wrapped = [label.replace(" (", "\n(").replace(", ", "\n") for label in labels]
+    axes.set_xticks(x, wrapped, fontsize=8, rotation=30, ha="right", rotation_mode="anchor")
+
+
+def _legend_above_bars(axes) -> None:
+    """A legend in headroom above the tallest bar, so that it hides none."""
+    axes.set_ylim(top=axes.get_ylim()[1] * 1.3)
+    axes.legend(fontsize=8, loc="upper right")
+
+
 def plot_report(report: dict, path: str) -> None:
     """Write a PNG: step times with speed-ups, peak memory per rank and the breakdown.
 
@@ -1535,13 +1579,13 @@ def plot_report(report: dict, path: str) -> None:
     for offset, kind in ((-0.2, "reuse"), (0.2, "rebuild")):
         times = [results[n].get(kind, {}).get("step_s") or 0.0 for n in names]
         left.bar(x + offset, [1e3 * t for t in times], width=0.4, label=f"{kind} step")
-    left.set_xticks(x, [_label(n, size).replace(", ", "\n") for n in names], fontsize=8)
+    _subject_ticks(left, x, [_label(n, size) for n in names])
     left.set_ylabel("ms per step (median)")
     title = f"{_ranks(size)}: ceiling {ratios['ceiling']:.2f}x"
     if "speedup" in ratios["reuse"]:
         title += f", speed-up {ratios['reuse']['speedup']:.2f}x (reuse)"
     left.set_title(title, fontsize=10)
-    left.legend(fontsize=8)
+    _legend_above_bars(left)
 
     for offset, (field, label) in (
         (-0.2, ("peak_rss_mb", "peak RSS")),
@@ -1549,7 +1593,7 @@ def plot_report(report: dict, path: str) -> None:
     ):
         peaks = [max((m[field] or 0.0) for m in results[n]["memory"]) for n in names]
         middle.bar(x + offset, peaks, width=0.4, label=label)
-    middle.set_xticks(x, [_label(n, size).replace(", ", "\n") for n in names], fontsize=8)
+    _subject_ticks(middle, x, [_label(n, size) for n in names])
     middle.set_ylabel("MiB, largest rank")
     if "rss_ratio" in ratios:
         middle.set_title(
@@ -1557,7 +1601,7 @@ def plot_report(report: dict, path: str) -> None:
             f"first call {ratios['memory_ratio']:.2f}",
             fontsize=10,
         )
-    middle.legend(fontsize=8)
+    _legend_above_bars(middle)
 
     y = np.arange(len(rows))[::-1]
     start = np.zeros(len(rows))

@@ -203,14 +203,14 @@ class LocalBlock:
 
         Returns
         -------
-        torch.Tensor
-            ``(RESULT_COLUMNS, n_nodes)`` float64, one row per quantity (each
-            contiguous): per-atom energy in eV (owned nodes only), force in
+        numpy.ndarray
+            ``(RESULT_COLUMNS, n_nodes)`` float64 on the host, one row per
+            quantity (each contiguous): per-atom energy in eV (owned nodes only), force in
             eV/Å (3 rows), and the virial ``sum d ⊗ dE/dd`` in eV (Voigt order
             xx, yy, zz, yz, xz, xy) with each edge's share split evenly
             between its two atoms. Ghost nodes' columns hold contributions
             that belong to their owners. The storage is reused by the next
-            call.
+            call (on CPU it is the block's own buffer).
         """
         timer = self.timer
         with timer.phase("forward"):
@@ -218,10 +218,12 @@ class LocalBlock:
             positions = self.node_positions(node_rows, cell)
             vectors64 = self._edge_vectors(positions, cell)
             squared = (vectors64 * vectors64).sum(dim=1)
-            within = squared < float(self.model.cutoff) ** 2
-            # read with the finite check below: one device sync for both
+            # the step's one device sync: how many edges are within the cutoff
+            within = (squared < float(self.model.cutoff) ** 2).nonzero().squeeze(1)
+            # read on the host with the result (see below), not by a sync of its own
             closest = squared.min() if squared.shape[0] else squared.new_full((), np.inf)
-            i, j, d = self.centre[within], self.neighbour[within], vectors64[within]
+            i, j = self.centre.index_select(0, within), self.neighbour.index_select(0, within)
+            d = vectors64.index_select(0, within)
             del vectors64, within, squared
             # edges are formed in float64, then cast, so float32 models do not
             # lose precision to large absolute coordinates
@@ -255,19 +257,24 @@ class LocalBlock:
             grad = torch.zeros_like(d) if grad is None else grad.to(torch.float64)
 
         with timer.phase("reverse"):
-            # reused: fresh pages for it cost more than zeroing it
+            # reused: fresh pages for it cost more than zeroing it; two extra
+            # entries carry the checks to the host in the same copy
+            size = RESULT_COLUMNS * self.n_nodes
             if self._result is None:
-                self._result = d.new_zeros((RESULT_COLUMNS, self.n_nodes))
-            result = self._result.zero_()
+                self._result = d.new_zeros(size + 2)
+            result = self._result.zero_()[:size].view(RESULT_COLUMNS, self.n_nodes)
             sum_edge_gradients(i, j, d, grad, self.n_nodes, out=result[1:])
             result[0, : self.n_owned] = owned_energy.detach().to(torch.float64)
             # NaN and inf reach the sum: one small reduction in the common case
-            total, closest = torch.stack([result.sum(), closest]).tolist()
+            self._result[size] = result.sum()
+            self._result[size + 1] = closest
+            host = self._result.cpu()  # the step's one copy to the host (none on CPU)
+            total, closest = host[size:].tolist()
             if closest < self.min_distance**2:
                 self._check_distances(positions, cell)
             if not np.isfinite(total):
                 self._check_finite(owned_energy, grad, i, j)
-        return result
+        return host[:size].view(RESULT_COLUMNS, self.n_nodes).numpy()
 
     def _edge_vectors(self, positions: torch.Tensor, cell: torch.Tensor) -> torch.Tensor:
         """``(E, 3)`` float64 vectors (Å) of the listed edges, centre to neighbour."""

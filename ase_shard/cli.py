@@ -4,7 +4,7 @@
 
     ase-shard md [STRUCTURE] [options]     molecular dynamics of a file or a built-in system
     ase-shard bench [STRUCTURE] [options]  time the bare model and ShardedCalculator
-    ase-shard info                         MPI library, ranks, devices, versions
+    ase-shard info [--models]              MPI library, ranks, devices, versions, models
     mpirun -n 4 ase-shard md ...           the same, on 4 ranks
 
 Every rank runs the same command (SPMD): all ranks read the same file, build
@@ -12,80 +12,91 @@ the same ``Atoms``, draw the same seeded random numbers and drive the same ASE
 dynamics; :class:`ShardedCalculator` hands identical results to all of them.
 Only rank 0 prints and writes files.
 
-Each subcommand is a function ``add_<name>(subparsers)`` that declares its
-arguments and sets ``run`` to a function ``(args) -> exit code``;
-:func:`build_parser` registers them.
+This module only parses arguments and resolves names, so that ``--help`` and
+usage errors answer at once: torch, the calculator and the models are imported
+inside the subcommands that run them (the MD driver lives in
+:mod:`ase_shard.md`). Each subcommand is a function ``add_<name>(subparsers)``
+that declares its arguments and sets ``run`` to a function ``(args) -> exit
+code``; :func:`build_parser` registers them.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import importlib
 import importlib.metadata
-import json
+import importlib.util
 import os
 import platform
 import socket
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
-from typing import TextIO
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
-import numpy as np
-import torch
-from ase import Atoms, units
-from ase.build import bulk
-from ase.calculators.emt import EMT as AseEMT
-from ase.calculators.lj import LennardJones as AseLennardJones
-from ase.calculators.morse import MorsePotential as AseMorse
-from ase.cluster import Icosahedron
-from ase.constraints import FixCom
-from ase.io import Trajectory, read
-from ase.md.langevin import Langevin
-from ase.md.logger import MDLogger
-from ase.md.md import MolecularDynamics
-from ase.md.nptberendsen import NPTBerendsen
-from ase.md.nvtberendsen import NVTBerendsen
-from ase.md.velocitydistribution import Stationary, ZeroRotation, thermalize_momenta
-from ase.md.verlet import VelocityVerlet
+import ase_shard  # first: under a launcher it initialises MPI before ASE picks its world
+
+# isort: split
+
 from ase.parallel import parprint, world
 
-import ase_shard
-from ase_shard.bench import (
-    ML_MODELS,
-    NO_EDGE,
-    BenchSettings,
-    FrameworkSettings,
-    format_framework_summary,
-    format_summary,
-    no_edge_model,
-    plot_report,
-    run_benchmark,
-    run_framework,
-)
-from ase_shard.calculator import HALOS, ShardedCalculator
-from ase_shard.comm import Comm
-from ase_shard.models import EMT, LennardJones, Morse
-from ase_shard.partition import PARTITIONS
+if TYPE_CHECKING:
+    from ase import Atoms
 
-MODELS: dict[str, Callable[[], torch.nn.Module]] = {
-    "emt": EMT,
-    # argon
-    "lj": partial(LennardJones, sigma=3.4, epsilon=0.0104, rc=8.5, smooth=True),
-    # copper-like, nearest neighbours at r0 = 2.55 Å
-    "morse": partial(Morse, epsilon=0.35, r0=2.55, rho0=4.0),
-}
-# ASE's own calculators with the parameters of MODELS, for `bench --ase-reference`
-ASE_CALCULATORS: dict[str, Callable[[], object]] = {
-    "emt": AseEMT,
-    "lj": partial(AseLennardJones, sigma=3.4, epsilon=0.0104, rc=8.5, smooth=True),
-    "morse": partial(AseMorse, epsilon=0.35, r0=2.55, rho0=4.0),
-}
+# choices spelled out here, not imported, so that parsing needs no torch;
+# tests/test_cli_models.py checks them against the modules that define them
+BUILTIN_MODELS = ("emt", "lj", "morse")
+BENCH_MODELS = ("sevennet", "mace", "nequip")  # random-weight models of ase_shard.bench
+NO_EDGE = "no-edge"  # ase_shard.bench.NO_EDGE
+HALOS = ("layer", "full")  # ase_shard.calculator.HALOS
+PARTITIONS = ("spatial", "contiguous")  # ase_shard.partition.PARTITIONS
+DTYPES = ("float64", "float32")
 ENSEMBLES = ("nve", "langevin", "nvt-berendsen", "npt-berendsen")
+
+# SevenNet's pretrained checkpoints by sevenn's names (sevenn._const), relative to
+# sevenn/pretrained_potentials or ~/.cache/sevennet; only those found there are
+# offered, because sevenn would download the others
+SEVENN_CHECKPOINTS = {
+    "7net-0": "SevenNet_0__11Jul2024/checkpoint_sevennet_0.pth",
+    "7net-0_22may2024": "SevenNet_0__22May2024/checkpoint_sevennet_0.pth",
+    "7net-l3i5": "SevenNet_l3i5/checkpoint_l3i5.pth",
+    "7net-mf-0": "SevenNet_MF_0/checkpoint_sevennet_mf_0.pth",
+    "7net-mf-ompa": "SevenNet_MF_ompa/checkpoint_sevennet_mf_ompa.pth",
+    "7net-omat": "SevenNet_omat/checkpoint_sevennet_omat.pth",
+    "7net-omni": "SevenNet_omni/checkpoint_sevennet_omni.pth",
+    "7net-omni-i8": "SevenNet_omni_i8/checkpoint_sevennet_omni_i8.pth",
+    "7net-omni-i12": "SevenNet_omni_i12/checkpoint_sevennet_omni_i12.pth",
+}
+# model files by name ending -> (adapter kind, what the file is)
+MODEL_FILES = {
+    ".pth": ("sevenn", "SevenNet checkpoint"),
+    ".model": ("mace", "MACE model"),
+    ".nequip.zip": ("nequip", "NequIP/Allegro package"),
+    ".ckpt": ("nequip", "NequIP/Allegro checkpoint"),
+}
+# adapter kind -> (module it imports, its distribution)
+ADAPTER_PACKAGES = {
+    "sevenn": ("sevenn", "sevenn"),
+    "mace": ("mace", "mace-torch"),
+    "nequip": ("nequip", "nequip"),
+}
 # fcc argon at the density of the liquid near its boiling point, 1.40 g/cm³
 ARGON_LIQUID_A = 5.74
+
+
+class CLIError(Exception):
+    """A user error: reported as one line, exit code 2."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A resolved ``--model``: ``kind`` is ``builtin``, ``bench`` (random weights),
+    ``sevenn``, ``mace`` or ``nequip``; ``source`` the name or the file path."""
+
+    kind: str
+    source: str
+    label: str
 
 
 @dataclass(frozen=True)
@@ -108,14 +119,20 @@ class System:
 
 
 def _cu_bulk(size: int, seed: int) -> Atoms:
+    from ase.build import bulk
+
     return bulk("Cu", "fcc", a=3.61, cubic=True).repeat(size)
 
 
 def _cu_cluster(size: int, seed: int) -> Atoms:
+    from ase.cluster import Icosahedron
+
     return Icosahedron("Cu", noshells=size, latticeconstant=3.61)
 
 
 def _ar_liquid(size: int, seed: int) -> Atoms:
+    from ase.build import bulk
+
     atoms = bulk("Ar", "fcc", a=ARGON_LIQUID_A, cubic=True).repeat(size)
     atoms.rattle(stdev=0.2, seed=seed)
     return atoms
@@ -130,12 +147,12 @@ SYSTEMS = {
 FILE_DEFAULTS = COPPER  # EMT, 300 K, a metal's compressibility
 
 
-class CLIError(Exception):
-    """A user error: reported as one line, exit code 2."""
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Run ``ase-shard`` with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    """Run ``ase-shard`` with ``argv`` (default ``sys.argv[1:]``); return the exit code.
+
+    Exit codes: 0 done, 1 the MD run became unstable (:class:`ase_shard.md.Unstable`),
+    2 a usage or input error, 130 interrupted (SIGINT, SIGTERM or SIGUSR1).
+    """
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -143,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     try:
         return args.run(args)
+    except KeyboardInterrupt:  # a second Ctrl-C, or one outside the MD loop
+        parprint(f"ase-shard {args.command}: interrupted", file=sys.stderr, flush=True)
+        return 130
     except Exception as exc:
         # ShardedCalculator raises the same error on every rank, so all ranks get here
         message = str(exc) if isinstance(exc, CLIError) else f"{type(exc).__name__}: {exc}"
@@ -172,6 +192,87 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# ----------------------------------------------------------------------------- models
+
+
+def sevenn_directory() -> Path | None:
+    """sevenn's ``pretrained_potentials`` directory, found without importing sevenn."""
+    spec = importlib.util.find_spec("sevenn")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))) / "pretrained_potentials"
+
+
+def shipped_checkpoints() -> dict[str, Path]:
+    """Pretrained SevenNet checkpoints present on this machine, by name."""
+    places = [sevenn_directory(), Path("~/.cache/sevennet").expanduser()]
+    found = {}
+    for name, relative in SEVENN_CHECKPOINTS.items():
+        for place in places:
+            if place is not None and (place / relative).is_file():
+                found[name] = place / relative
+                break
+    return found
+
+
+def model_choices(bench: bool = False) -> list[str]:
+    """The model names ``--model`` takes here (besides model files)."""
+    extra = [*BENCH_MODELS, NO_EDGE] if bench else []
+    return [*BUILTIN_MODELS, *extra, *shipped_checkpoints()]
+
+
+def resolve_model(name: str, bench: bool = False) -> ModelSpec:
+    """``--model NAME``: a built-in potential, a shipped checkpoint or a model file.
+
+    Raises
+    ------
+    CLIError
+        One line listing the choices, for a name that is none of these.
+    """
+    key = name.lower()  # sevenn's names are case-insensitive (7net-MF-0)
+    if key in BUILTIN_MODELS:
+        return ModelSpec("builtin", key, key)
+    if bench and key in (*BENCH_MODELS, NO_EDGE):
+        return ModelSpec("bench", key, key)
+    shipped = shipped_checkpoints()
+    if key in shipped:
+        return ModelSpec("sevenn", str(shipped[key]), key)
+    if os.path.isfile(name):
+        for ending, (kind, _) in MODEL_FILES.items():
+            if name.endswith(ending):
+                return ModelSpec(kind, name, name)
+        endings = ", ".join(f"{e} ({what})" for e, (_, what) in MODEL_FILES.items())
+        raise CLIError(f"model file {name!r}: name it after its kind: {endings}")
+    hint = " (sevenn downloads it; not available offline)" if key in SEVENN_CHECKPOINTS else ""
+    raise CLIError(
+        f"unknown model {name!r}{hint}: choose {', '.join(model_choices(bench))}, "
+        f"or a model file ({', '.join(MODEL_FILES)})"
+    )
+
+
+def _add_model_options(parser: argparse.ArgumentParser, bench: bool) -> None:
+    """``--model`` and ``--modality``, shared by ``md`` and ``bench``."""
+    more = (
+        f"; {', '.join(BENCH_MODELS)}: random-weight models of the real architectures; "
+        f"{NO_EDGE}: no pairs (--framework only)"
+        if bench
+        else ""
+    )
+    parser.add_argument(
+        "--model",
+        metavar="MODEL",
+        help="potential: emt, lj (argon), morse (copper-like), a pretrained SevenNet "
+        "checkpoint shipped with sevenn (7net-0, 7net-l3i5, 7net-mf-0, ...: see "
+        "`ase-shard info --models`), or a model file: SevenNet .pth, MACE .model, "
+        f"NequIP/Allegro .nequip.zip or .ckpt (default: the system's; emt for files){more}",
+    )
+    parser.add_argument(
+        "--modality",
+        help="fidelity of a multi-fidelity SevenNet model (7net-mf-0: PBE or R2SCAN), or "
+        "the head of a multi-head MACE model",
+    )
+
+
 # ----------------------------------------------------------------------------- md
 
 
@@ -186,7 +287,11 @@ def add_md(subparsers: argparse._SubParsersAction) -> None:
         "md",
         help="molecular dynamics of a structure file or a built-in system",
         description="Molecular dynamics with ShardedCalculator; every rank runs it, rank 0 "
-        "prints and writes. Built-in systems: " + systems + ".",
+        "prints and writes. Built-in systems: " + systems + ". Exit codes: 0 done, 1 the "
+        "run blew up (non-finite energy or forces, T above 10 x max(target or initial T, "
+        "300 K), an atom far outside the box along a non-periodic axis), 2 usage or input "
+        "error, 130 interrupted (Ctrl-C, SIGTERM, SIGUSR1: stops at the end of the step "
+        "and writes that step's frame).",
     )
     md.add_argument(
         "structure",
@@ -198,16 +303,20 @@ def add_md(subparsers: argparse._SubParsersAction) -> None:
     md.add_argument("--system", choices=SYSTEMS, help="built-in system (default cu-bulk)")
     md.add_argument("--size", type=int, help="size N of the built-in system (see above)")
     md.add_argument(
-        "--model", choices=MODELS, help="potential (default: the system's; emt for files)"
+        "--restart",
+        metavar="TRAJ",
+        help="continue from the last frame of a trajectory written by ase-shard md "
+        "(positions, momenta, cell, step, time) and append to it",
     )
+    _add_model_options(md, bench=False)
     md.add_argument("--ensemble", choices=ENSEMBLES, default="nve", help="default nve")
     md.add_argument("--steps", type=int, default=100, help="MD steps (default 100)")
     md.add_argument("--timestep", type=float, default=2.0, help="fs (default 2)")
     md.add_argument(
         "--temperature",
         type=float,
-        help="K: initial Maxwell-Boltzmann velocities and thermostat target "
-        "(default: the system's; 300 K for files)",
+        help="K: thermostat target, and initial Maxwell-Boltzmann momenta rescaled so that "
+        "the run starts at exactly this temperature (default: the system's; 300 K for files)",
     )
     md.add_argument("--seed", type=int, default=42, help="random seed (default 42)")
     md.add_argument("--friction", type=float, default=0.01, help="Langevin, 1/fs (0.01)")
@@ -217,224 +326,76 @@ def add_md(subparsers: argparse._SubParsersAction) -> None:
     md.add_argument(
         "--compressibility", type=float, help="npt-berendsen, 1/bar (default: the system's)"
     )
-    md.add_argument("--skin", type=float, default=0.5, help="neighbour skin, Å (0.5)")
-    md.add_argument("--partition", choices=PARTITIONS, default="spatial")
-    md.add_argument("--trajectory", metavar="FILE", help="ASE trajectory, every --interval")
-    md.add_argument("--log", metavar="FILE", help="MDLogger file, every --interval steps")
+    _add_calculator_options(md)
+    md.add_argument(
+        "--trajectory",
+        metavar="FILE",
+        help="frames every --interval steps, format from the name (.traj: ASE trajectory; "
+        ".xyz/.extxyz: extended XYZ with energy and forces; any multi-image format of "
+        "ase.io.write), appended frame by frame",
+    )
+    md.add_argument(
+        "--log",
+        metavar="FILE",
+        help="table every --interval steps ('-': stdout): step, time, energies per atom, "
+        "T, and pressure and volume with npt-berendsen",
+    )
     md.add_argument("--interval", type=int, default=10, help="steps between frames (10)")
     md.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
     md.set_defaults(run=run_md)
 
 
+def _add_calculator_options(parser: argparse.ArgumentParser) -> None:
+    """The ShardedCalculator options ``md`` and ``bench`` share."""
+    parser.add_argument("--skin", type=float, default=0.5, help="neighbour skin, Å (0.5)")
+    parser.add_argument("--partition", choices=PARTITIONS, default="spatial")
+    parser.add_argument(
+        "--halo", choices=HALOS, help="ghost scheme (default: layer where the model supports it)"
+    )
+    parser.add_argument("--device", help="torch device, e.g. cpu, cuda (default: one GPU a rank)")
+    parser.add_argument("--dtype", choices=DTYPES, help="default: the model's")
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="BACKEND",
+        help="run the model through torch.compile (backend inductor unless given)",
+    )
+
+
 def run_md(args: argparse.Namespace) -> int:
-    """``ase-shard md``: build, thermalise, run and summarise."""
+    """``ase-shard md``: check the arguments, then :func:`ase_shard.md.run`."""
     if args.steps < 0 or args.interval < 1 or args.timestep <= 0:
         raise CLIError("--steps must be >= 0, --interval >= 1 and --timestep > 0")
-    atoms, defaults, label = load_system(args)
-    rng = np.random.default_rng(args.seed)  # the same numbers on every rank
-    target = defaults.temperature if args.temperature is None else args.temperature
-    if args.temperature is not None or not atoms.get_momenta().any():
-        thermalise(atoms, target, rng)
+    if args.restart is not None and (args.structure or args.system or args.size):
+        raise CLIError("--restart continues a trajectory: give no STRUCTURE, --system or --size")
+    check_system_args(args)
+    spec = None if args.model is None else resolve_model(args.model)
+    from ase_shard import md  # torch and the calculator: only now
 
-    calc = ShardedCalculator(
-        MODELS[args.model or defaults.model](), skin=args.skin, partition=args.partition
-    )
-    atoms.calc = calc
-    dyn = make_dynamics(atoms, args, target, defaults, rng)
-    dtype = str(calc.dtype).removeprefix("torch.")
-    parprint(
-        f"ase-shard md: {label}, {len(atoms)} atoms, {type(calc.model).__name__} on "
-        f"{world.size} rank(s) ({calc.device}, {dtype}), {args.ensemble}, "
-        f"{args.steps} x {args.timestep:g} fs",
-        flush=True,
-    )
+    return md.run(args, spec)
 
-    progress = None
-    if world.rank == 0 and not args.no_progress:
-        progress = Progress(args.steps, sys.stderr, live=sys.stderr.isatty())
-    tracker = EnergyTracker(atoms, dyn, progress)
-    with contextlib.ExitStack() as files:
-        if progress is not None:
-            files.callback(progress.close)  # ends the bar's line, also before an error message
-        if args.trajectory:
-            trajectory = files.enter_context(Trajectory(args.trajectory, "w", atoms))
-            dyn.attach(trajectory.write, interval=args.interval)
-        if args.log:
-            logger = files.enter_context(MDLogger(dyn, atoms, args.log, peratom=True, mode="w"))
-            dyn.attach(logger, interval=args.interval)
-        dyn.attach(tracker, interval=1)
-        start = time.perf_counter()
-        dyn.run(args.steps)
-        wall = time.perf_counter() - start
-    print_summary(atoms, args.steps, wall, calc.rebuilds, np.array(tracker.totals))
-    return 0
+
+def check_system_args(args: argparse.Namespace) -> None:
+    """Refuse STRUCTURE together with ``--system``/``--size``, and a size below 1."""
+    if args.structure is not None and (args.system is not None or args.size is not None):
+        raise CLIError("give a STRUCTURE file or --system/--size, not both")
+    if args.size is not None and args.size < 1:
+        raise CLIError(f"--size must be >= 1, not {args.size}")
 
 
 def load_system(args: argparse.Namespace) -> tuple[Atoms, Defaults, str]:
-    """The ``Atoms`` to run (identical on every rank), their defaults and a label."""
+    """The ``Atoms`` of STRUCTURE or ``--system`` (identical on every rank), their
+    defaults and a label; :func:`check_system_args` has checked ``args``."""
     if args.structure is not None:
-        if args.system is not None or args.size is not None:
-            raise CLIError("give a STRUCTURE file or --system/--size, not both")
+        from ase.io import read
+
         return read(args.structure), FILE_DEFAULTS, args.structure
     name = args.system or "cu-bulk"
     system = SYSTEMS[name]
     size = system.size if args.size is None else args.size
-    if size < 1:
-        raise CLIError(f"--size must be >= 1, not {size}")
     return system.build(size, args.seed), system.defaults, f"{name} N={size}"
-
-
-def thermalise(atoms: Atoms, temperature: float, rng: np.random.Generator) -> None:
-    """Maxwell-Boltzmann momenta at ``temperature`` K, no drift (nor spin if isolated)."""
-    thermalize_momenta(atoms, temperature_K=temperature, rng=rng)
-    Stationary(atoms)
-    if not atoms.pbc.any():
-        ZeroRotation(atoms)
-
-
-def make_dynamics(
-    atoms: Atoms,
-    args: argparse.Namespace,
-    temperature: float,
-    defaults: Defaults,
-    rng: np.random.Generator,
-) -> MolecularDynamics:
-    """The ASE integrator of ``args.ensemble``."""
-    timestep = args.timestep * units.fs
-    if args.ensemble == "nve":
-        return VelocityVerlet(atoms, timestep=timestep)
-    if args.ensemble == "langevin":
-        atoms.constraints = [*atoms.constraints, FixCom()]  # ASE's advice over fixcm=True
-        return Langevin(
-            atoms,
-            timestep=timestep,
-            temperature_K=temperature,
-            friction=args.friction / units.fs,
-            fixcm=False,
-            rng=rng,
-        )
-    if args.ensemble == "nvt-berendsen":
-        return NVTBerendsen(
-            atoms, timestep=timestep, temperature_K=temperature, taut=args.taut * units.fs
-        )
-    if atoms.cell.rank != 3:
-        raise CLIError(
-            f"npt-berendsen scales the cell, but this system's cell has rank "
-            f"{atoms.cell.rank}, not 3; use nve, langevin or nvt-berendsen, or give it a cell"
-        )
-    compressibility = (
-        defaults.compressibility if args.compressibility is None else args.compressibility
-    )
-    return NPTBerendsen(
-        atoms,
-        timestep=timestep,
-        temperature_K=temperature,
-        taut=args.taut * units.fs,
-        taup=args.taup * units.fs,
-        pressure_au=args.pressure * units.bar,
-        compressibility_au=compressibility / units.bar,
-    )
-
-
-class EnergyTracker:
-    """MD observer (every step, every rank): total energy per atom, and the progress display."""
-
-    def __init__(self, atoms: Atoms, dyn: MolecularDynamics, progress: Progress | None):
-        self.atoms = atoms
-        self.dyn = dyn
-        self.progress = progress
-        self.totals: list[float] = []
-        self.start = time.perf_counter()
-
-    def __call__(self) -> None:
-        atoms = self.atoms
-        total = (atoms.get_potential_energy() + atoms.get_kinetic_energy()) / len(atoms)
-        self.totals.append(total)
-        if self.progress is not None:
-            self.progress.update(self.dyn.nsteps, total, time.perf_counter() - self.start)
-
-
-class Progress:
-    """Progress on ``stream``: a bar redrawn in place on a terminal, else a line every 10 %.
-
-    Parameters
-    ----------
-    total : int
-        Number of steps.
-    stream : file
-        Where to write (rank 0's stderr).
-    live : bool
-        Redraw one line with ``\\r`` (at most 10 times a second).
-    """
-
-    WIDTH = 30
-
-    def __init__(self, total: int, stream: TextIO, live: bool):
-        self.total = total
-        self.stream = stream
-        self.live = live
-        self.shown = -1  # last tenth (or redraw time) shown
-        self.last_draw = 0.0
-
-    def update(self, done: int, total_energy: float, elapsed: float) -> None:
-        """Show step ``done`` of ``total`` after ``elapsed`` s; ``total_energy`` in eV/atom."""
-        fraction = done / self.total if self.total else 1.0
-        if self.live:
-            if done < self.total and elapsed - self.last_draw < 0.1:
-                return
-            self.last_draw = elapsed
-        else:
-            tenth = int(10 * fraction)
-            if tenth == self.shown:
-                return
-            self.shown = tenth
-        rate = done / elapsed if done and elapsed > 0 else 0.0
-        eta = f"{_clock((self.total - done) / rate)}" if rate else "--:--"
-        text = (
-            f"{done:>{len(str(self.total))}}/{self.total} steps  {rate:7.2f} steps/s  "
-            f"ETA {eta}  Etot {total_energy:.6f} eV/atom"
-        )
-        if self.live:
-            filled = int(self.WIDTH * fraction)
-            bar = "#" * filled + "-" * (self.WIDTH - filled)
-            self.stream.write(f"\r[{bar}] {text}")
-        else:
-            self.stream.write(f"{100 * fraction:3.0f}% {text}\n")
-        self.stream.flush()
-
-    def close(self) -> None:
-        """End the redrawn line."""
-        if self.live:
-            self.stream.write("\n")
-            self.stream.flush()
-
-
-def _clock(seconds: float) -> str:
-    minutes, seconds = divmod(int(round(seconds)), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes:02d}:{seconds:02d}"
-
-
-def print_summary(
-    atoms: Atoms, steps: int, wall: float, rebuilds: int, totals: np.ndarray
-) -> None:
-    """Rank 0: throughput, rebuilds, total-energy drift per atom and final temperature."""
-    n = len(atoms)
-    rate = steps / wall if wall > 0 else float("nan")
-    lines = [
-        "ase-shard md summary",
-        f"  atoms          {n}",
-        f"  ranks          {world.size}",
-        f"  steps          {steps}",
-        f"  wall time      {wall:.2f} s",
-        f"  steps/s        {rate:.3f}",
-        f"  atom-steps/s   {rate * n:.4g}",
-        f"  rebuilds       {rebuilds}",
-        f"  Etot drift     max |Etot - Etot0| = {np.abs(totals - totals[0]).max():.3e} eV/atom, "
-        f"final - initial = {totals[-1] - totals[0]:+.3e} eV/atom",
-        f"  final T        {atoms.get_temperature():.2f} K",
-    ]
-    parprint("\n".join(lines), flush=True)
 
 
 # ----------------------------------------------------------------------------- bench
@@ -465,14 +426,7 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("structure", nargs="?", metavar="STRUCTURE", help="structure file")
     bench.add_argument("--system", choices=SYSTEMS, help="built-in system (default cu-bulk)")
     bench.add_argument("--size", type=int, help="size N of the built-in system")
-    bench.add_argument(
-        "--model",
-        choices=[*MODELS, *ML_MODELS, NO_EDGE],
-        help="potential (default: the system's; with --framework no-edge); sevennet, mace and "
-        "nequip are random-weight models of the real architectures (packages sevenn / "
-        f"mace-torch / nequip); {NO_EDGE} has no pairs (0.3 Å cutoff; --framework only)",
-    )
-    bench.add_argument("--dtype", choices=("float64", "float32"), help="default: the model's")
+    _add_model_options(bench, bench=True)
     bench.add_argument("--ml-cutoff", type=float, default=5.0, help="ML models, Å (5)")
     bench.add_argument("--ml-channels", type=int, default=32, help="ML models' width (32)")
     bench.add_argument(
@@ -480,12 +434,7 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
     )
     bench.add_argument("--reuse-steps", type=int, default=5, help="timed reuse steps (5)")
     bench.add_argument("--rebuild-steps", type=int, default=3, help="timed rebuild steps (3)")
-    bench.add_argument("--skin", type=float, default=0.5, help="neighbour skin, Å (0.5)")
-    bench.add_argument("--partition", choices=PARTITIONS, default="spatial")
-    bench.add_argument(
-        "--halo", choices=HALOS, help="ghost scheme (default: layer where the model supports it)"
-    )
-    bench.add_argument("--device", help="torch device (default: the calculator's choice)")
+    _add_calculator_options(bench)
     bench.add_argument(
         "--threads",
         type=int,
@@ -525,32 +474,50 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     """``ase-shard bench``: measure, then rank 0 prints and writes the report."""
+    if args.threads is not None and args.threads < 1:
+        raise CLIError(f"--threads must be >= 1, not {args.threads}")
+    if args.ase_reference and args.framework:
+        raise CLIError("--ase-reference does not apply to --framework")
+    check_system_args(args)
+    if args.model is not None:
+        spec = resolve_model(args.model, bench=True)
+    else:
+        spec = ModelSpec("bench", NO_EDGE, NO_EDGE) if args.framework else None
+    if spec is not None and spec.source == NO_EDGE and not args.framework:
+        raise CLIError(f"--model {NO_EDGE} is for --framework only")
+    import json
+
+    import torch
+
+    from ase_shard import bench, md
+
     if args.threads is not None:
-        if args.threads < 1:
-            raise CLIError(f"--threads must be >= 1, not {args.threads}")
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the calculator keeps it
         torch.set_num_threads(args.threads)
     atoms, defaults, label = load_system(args)
-    name = args.model or (NO_EDGE if args.framework else defaults.model)
-    if args.ase_reference and args.framework:
-        raise CLIError("--ase-reference does not apply to --framework")
-    if args.ase_reference and name not in ASE_CALCULATORS:
-        raise CLIError(f"--ase-reference needs one of {', '.join(ASE_CALCULATORS)}, not {name}")
-    if name == NO_EDGE and not args.framework:
-        raise CLIError(f"--model {NO_EDGE} is for --framework only")
-    model = bench_model(name, atoms, args)
+    if spec is None:
+        spec = resolve_model(defaults.model)
+    if args.ase_reference and spec.source not in md.ASE_CALCULATORS:
+        names = ", ".join(md.ASE_CALCULATORS)
+        raise CLIError(f"--ase-reference needs one of {names}, not {spec.label}")
+    model = _bench_model(spec, atoms, args)
     steps = {
         "reuse_steps": args.reuse_steps,
         "rebuild_steps": args.rebuild_steps,
         "skin": args.skin,
         "seed": args.seed,
-        "calculator": {"partition": args.partition, "halo": args.halo, "device": args.device},
+        "calculator": {
+            "partition": args.partition,
+            "halo": args.halo,
+            "device": args.device,
+            "compile": args.compile,
+        },
     }
     try:
         if args.framework:
-            settings = FrameworkSettings(**steps)
+            settings = bench.FrameworkSettings(**steps)
         else:
-            settings = BenchSettings(
+            settings = bench.BenchSettings(
                 **steps,
                 serial_reference=not args.no_serial_reference,
                 ceiling_seconds=args.ceiling_seconds,
@@ -558,22 +525,22 @@ def run_bench(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     mode = " --framework" if args.framework else ""
+    # the summary's first line repeats the system; this one says that measuring began
     parprint(
-        f"ase-shard bench{mode}: {label}, {len(atoms)} atoms, {name} on {world.size} rank(s)",
-        flush=True,
+        f"ase-shard bench{mode}: measuring {spec.label} on {world.size} rank(s)...", flush=True
     )
     arguments = {k: v for k, v in vars(args).items() if k != "run"}
-    labels = {"system": label, "model": name, "arguments": arguments}
+    labels = {"system": label, "model": spec.label, "arguments": arguments}
     dtype = getattr(torch, args.dtype) if args.dtype else None
     if args.framework:
-        report = run_framework(atoms, model, settings, dtype=dtype, labels=labels)
+        report = bench.run_framework(atoms, model, settings, dtype=dtype, labels=labels)
     else:
-        report = run_benchmark(
+        report = bench.run_benchmark(
             atoms,
             model,
             settings,
             dtype=dtype,
-            ase_calculator=ASE_CALCULATORS[name] if args.ase_reference else None,
+            ase_calculator=md.ASE_CALCULATORS[spec.source] if args.ase_reference else None,
             labels=labels,
         )
     if report is None:
@@ -583,30 +550,32 @@ def run_bench(args: argparse.Namespace) -> int:
         json.dump(report, file, indent=1)
     outputs = [path]
     if args.framework:
-        summary = format_framework_summary(report)
+        summary = bench.format_framework_summary(report)
     else:
-        summary = format_summary(report)
+        summary = bench.format_summary(report)
         if not args.no_plot:
-            plot_report(report, args.plot)
+            bench.plot_report(report, args.plot)
             outputs.append(args.plot)
     print(summary + "\n\n  wrote " + ", ".join(outputs), flush=True)
     return 0
 
 
-def bench_model(name: str, atoms: Atoms, args: argparse.Namespace) -> torch.nn.Module:
-    """The model ``name`` of ``ase-shard bench``, built identically on every rank."""
-    if name == NO_EDGE:
-        return no_edge_model()
-    if name in ML_MODELS:
+def _bench_model(spec: ModelSpec, atoms: Atoms, args: argparse.Namespace):
+    """The model of ``ase-shard bench``, built identically on every rank."""
+    from ase_shard import bench, md
+
+    if spec.source == NO_EDGE:
+        return bench.no_edge_model()
+    if spec.kind == "bench":
         layers = {} if args.ml_layers is None else {"num_layers": args.ml_layers}
-        return ML_MODELS[name](
+        return bench.ML_MODELS[spec.source](
             atoms.numbers,
             cutoff=args.ml_cutoff,
             channels=args.ml_channels,
             seed=args.seed,
             **layers,
         )
-    return MODELS[name]()
+    return md.build_model(spec, args.modality)
 
 
 # ----------------------------------------------------------------------------- info
@@ -616,15 +585,30 @@ def add_info(subparsers: argparse._SubParsersAction) -> None:
     """Declare ``ase-shard info``."""
     info = subparsers.add_parser(
         "info",
-        help="MPI library, ranks, hosts, devices and versions",
+        help="MPI library, ranks, hosts, devices, versions and models",
         description="What this job runs on: MPI library, ranks with their hosts and devices, "
         "and the versions of torch, ase, numpy, vesin and mpi4py. Rank 0 prints.",
+    )
+    info.add_argument(
+        "--models",
+        action="store_true",
+        help="list the models --model takes here instead: built-ins, the pretrained "
+        "checkpoints found, and which model-file adapters import",
     )
     info.set_defaults(run=run_info)
 
 
 def run_info(args: argparse.Namespace) -> int:
     """``ase-shard info``: what this job runs on (rank 0 prints)."""
+    if args.models:
+        parprint("\n".join(models_report()), flush=True)
+        return 0
+    import torch
+
+    from ase_shard.calculator import ShardedCalculator
+    from ase_shard.comm import Comm
+    from ase_shard.models import EMT
+
     comm = Comm()
     # the device and thread count that `ase-shard md` would use on this rank
     device = ShardedCalculator(EMT()).device
@@ -656,6 +640,31 @@ def run_info(args: argparse.Namespace) -> int:
     lines += [f"{name:<15}{_version(name)}" for name in ("ase", "numpy", "vesin", "mpi4py")]
     print("\n".join(lines), flush=True)
     return 0
+
+
+def models_report() -> list[str]:
+    """``info --models``: built-ins, checkpoints found, and the adapters' packages."""
+    lines = ["built-in       " + ", ".join(BUILTIN_MODELS)]
+    shipped = shipped_checkpoints()
+    lines.append("pretrained     " + (", ".join(shipped) or "none (sevenn not installed)"))
+    lines += [f"  {name:<17} {path}" for name, path in shipped.items()]
+    missing = [name for name in SEVENN_CHECKPOINTS if name not in shipped]
+    if missing:
+        lines.append(f"  {'not here':<17} " + ", ".join(missing) + " (sevenn downloads them)")
+    lines.append("model files")
+    for ending, (kind, what) in MODEL_FILES.items():
+        lines.append(f"  {ending:<17} {what}: {_adapter_state(kind)}")
+    return lines
+
+
+def _adapter_state(kind: str) -> str:
+    """Whether the package an adapter needs imports here, and its version."""
+    module, distribution = ADAPTER_PACKAGES[kind]
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # not installed, or broken: either way the adapter cannot load
+        return f"no ({distribution}: {type(exc).__name__}: {exc})"
+    return f"yes ({distribution} {_version(distribution)})"
 
 
 def _version(distribution: str) -> str:

@@ -1,0 +1,651 @@
+"""The run of ``ase-shard md``: model, calculator, dynamics, output and summary.
+
+:mod:`ase_shard.cli` parses the command line and calls :func:`run` on every
+rank. All ranks build the same ``Atoms``, draw the same seeded momenta and
+step the same ASE integrator; rank 0 alone writes the trajectory, the log,
+the progress and the summary. Every decision that ends the run (a blow-up,
+a stop signal) is taken from data that is identical on all ranks, or agreed
+on collectively, so all ranks stop at the same step.
+
+Output
+------
+- Trajectory (``--trajectory``): the format follows the file name as
+  ``ase.io`` guesses it (``.traj``: ASE trajectory, ``.xyz``/``.extxyz``:
+  extended XYZ, or any other format ``ase.io.write`` writes several images
+  to), one frame every ``--interval`` steps, appended as it is made. Each
+  frame holds positions, momenta, cell, the energy and forces (and stress
+  when the dynamics computed it) and, in ``atoms.info``, ``md_step`` and
+  ``md_time_fs``, which ``--restart`` reads.
+- Log (``--log``): a table every ``--interval`` steps; energies per atom.
+- Summary: throughput and rebuilds; for NVE the total-energy drift, for the
+  thermostats the mean and standard deviation of the temperature.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import TextIO
+
+import numpy as np
+import torch
+from ase import Atoms, units
+from ase.calculators.emt import EMT as AseEMT
+from ase.calculators.lj import LennardJones as AseLennardJones
+from ase.calculators.morse import MorsePotential as AseMorse
+from ase.calculators.singlepoint import SinglePointCalculator
+from ase.constraints import FixCom
+from ase.io import Trajectory, read, write
+from ase.io.formats import filetype, ioformats
+from ase.md.langevin import Langevin
+from ase.md.md import MolecularDynamics
+from ase.md.nptberendsen import NPTBerendsen
+from ase.md.nvtberendsen import NVTBerendsen
+from ase.md.velocitydistribution import Stationary, ZeroRotation, thermalize_momenta
+from ase.md.verlet import VelocityVerlet
+from ase.parallel import parprint, world
+
+from ase_shard.calculator import ShardedCalculator
+from ase_shard.cli import FILE_DEFAULTS, CLIError, Defaults, ModelSpec, load_system, resolve_model
+from ase_shard.comm import Comm
+from ase_shard.models import EMT, LennardJones, Morse
+
+MODELS: dict[str, Callable[[], torch.nn.Module]] = {
+    "emt": EMT,
+    # argon
+    "lj": partial(LennardJones, sigma=3.4, epsilon=0.0104, rc=8.5, smooth=True),
+    # copper-like, nearest neighbours at r0 = 2.55 Å
+    "morse": partial(Morse, epsilon=0.35, r0=2.55, rho0=4.0),
+}
+# ASE's own calculators with the parameters of MODELS, for `bench --ase-reference`
+ASE_CALCULATORS: dict[str, Callable[[], object]] = {
+    "emt": AseEMT,
+    "lj": partial(AseLennardJones, sigma=3.4, epsilon=0.0104, rc=8.5, smooth=True),
+    "morse": partial(AseMorse, epsilon=0.35, r0=2.55, rho0=4.0),
+}
+THERMOSTATS = ("langevin", "nvt-berendsen", "npt-berendsen")
+
+# blow-up guard: a run stops when T exceeds TEMPERATURE_FACTOR times the reference
+# (the target, or the initial T under NVE), the reference being at least
+# TEMPERATURE_FLOOR so that a run started cold may still warm up
+TEMPERATURE_FACTOR = 10.0
+TEMPERATURE_FLOOR = 300.0  # K
+# ... or when an atom is further outside the atoms' initial extent along a
+# non-periodic axis than that extent, and at least ESCAPE_DISTANCE
+ESCAPE_DISTANCE = 20.0  # Å
+
+# the signals that stop a run at the end of the current step; Open MPI's mpirun
+# forwards SIGUSR1 to the ranks, but answers SIGINT by terminating them
+STOP_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, name)
+)
+EXIT_UNSTABLE = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report an interrupted command
+
+STEP_KEY = "md_step"  # atoms.info of each frame: the MD step ...
+TIME_KEY = "md_time_fs"  # ... and the simulated time, fs
+
+
+class Unstable(Exception):
+    """The run blew up: non-finite results, runaway temperature or escaping atoms."""
+
+
+@dataclass(frozen=True)
+class Start:
+    """Where the run starts: the step number and simulated time (fs) of its first frame."""
+
+    step: int = 0
+    time_fs: float = 0.0
+
+
+def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
+    """``ase-shard md`` on this rank; returns the exit code (see :func:`ase_shard.cli.main`)."""
+    writer_path = args.trajectory or args.restart
+    check_trajectory_format(writer_path)
+    if args.restart is not None:
+        atoms, start = read_restart(args.restart)
+        defaults, label = FILE_DEFAULTS, f"{args.restart} from step {start.step}"
+    else:
+        (atoms, defaults, label), start = load_system(args), Start()
+    spec = spec or resolve_model(defaults.model)
+    target = defaults.temperature if args.temperature is None else args.temperature
+    rng = np.random.default_rng(args.seed)  # the same numbers on every rank
+    draw = args.restart is None and (args.temperature is not None or not atoms.get_momenta().any())
+    if draw:
+        thermalise(atoms, target, rng)
+    calc = make_calculator(build_model(spec, args.modality), args)
+    atoms.calc = calc
+    dyn = make_dynamics(atoms, args, target, defaults, rng)
+    if draw:
+        set_temperature(atoms, target)  # after the dynamics' constraints remove their dof
+    dyn.nsteps = start.step  # observers run on absolute step numbers
+    reference = target if args.ensemble in THERMOSTATS else atoms.get_temperature()
+    warn_barostat_axes(atoms, args.ensemble)
+    dtype = str(calc.dtype).removeprefix("torch.")
+    parprint(
+        f"ase-shard md: {label}, {len(atoms)} atoms, {spec.label} ({type(calc.model).__name__}) "
+        f"on {world.size} rank(s) ({calc.device}, {dtype}), {args.ensemble}, "
+        f"{args.steps} x {args.timestep:g} fs",
+        flush=True,
+    )
+    clock = partial(_time_fs, start=start, timestep=args.timestep)
+    progress = None
+    if world.rank == 0 and not args.no_progress:
+        progress = Progress(args.steps, sys.stderr, live=sys.stderr.isatty())
+    tracker = EnergyTracker(atoms, dyn, progress, start.step)
+    guard = Guard(atoms, dyn, reference, args.steps + start.step)
+    with contextlib.ExitStack() as stack:
+        stop = stack.enter_context(StopSignals())
+        if progress is not None:
+            stack.callback(progress.close)  # ends the bar's line, also before a message
+        dyn.attach(guard, interval=1)  # first: no frame of a blown-up step is written
+        writer = None
+        if writer_path:
+            append = args.restart is not None and _same_file(writer_path, args.restart)
+            writer = stack.enter_context(FrameWriter(writer_path, append))
+            dyn.attach(lambda: writer.write(atoms, dyn.nsteps, clock(dyn.nsteps)), args.interval)
+        if args.log:
+            barostat = args.ensemble == "npt-berendsen"
+            logger = stack.enter_context(Logger(args.log, atoms, barostat, args.restart))
+            dyn.attach(lambda: logger.write(dyn.nsteps, clock(dyn.nsteps)), args.interval)
+        dyn.attach(tracker, interval=1)
+        if start.step:  # irun calls no observer before the first step of a restart
+            guard()
+            tracker()
+        comm = Comm()
+        begin = time.perf_counter()
+        try:
+            for _ in dyn.irun(args.steps):
+                if comm.any(stop.received is not None):
+                    break
+        except Unstable as exc:
+            stack.close()
+            parprint(f"ase-shard md: stopped: {exc}", file=sys.stderr, flush=True)
+            return EXIT_UNSTABLE
+        wall = time.perf_counter() - begin
+        interrupted = dyn.nsteps < start.step + args.steps
+        if interrupted and writer is not None and dyn.nsteps % args.interval:
+            writer.write(atoms, dyn.nsteps, clock(dyn.nsteps))  # the step it stopped at
+    done = dyn.nsteps - start.step
+    print_summary(atoms, done, wall, calc.rebuilds, tracker, args.ensemble)
+    if interrupted:
+        parprint(
+            f"ase-shard md: interrupted at step {dyn.nsteps} of {start.step + args.steps}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_INTERRUPTED
+    return 0
+
+
+def _time_fs(step: int, start: Start, timestep: float) -> float:
+    """Simulated time (fs) at ``step``."""
+    return start.time_fs + (step - start.step) * timestep
+
+
+def _same_file(a: str, b: str) -> bool:
+    return os.path.abspath(a) == os.path.abspath(b)
+
+
+# ----------------------------------------------------------------------------- set-up
+
+
+def build_model(spec: ModelSpec, modality: str | None) -> torch.nn.Module:
+    """The torch model of a resolved ``--model`` (identical on every rank)."""
+    if modality is not None and spec.kind not in ("sevenn", "mace"):
+        raise CLIError(f"--modality applies to SevenNet and MACE models, not {spec.label}")
+    if spec.kind == "builtin":
+        return MODELS[spec.source]()
+    if spec.kind == "sevenn":
+        from ase_shard.models import SevenNet
+
+        try:
+            return SevenNet(spec.source, modal=modality)
+        except ValueError as exc:
+            if "modal" not in str(exc):
+                raise
+            raise CLIError(f"--model {spec.label}: {exc} (option --modality)") from None
+    if spec.kind == "mace":
+        from ase_shard.models import MACE
+
+        return MACE(spec.source, head=modality)
+    from ase_shard.models import NequIP
+
+    return NequIP(spec.source)
+
+
+def make_calculator(model: torch.nn.Module, args: argparse.Namespace) -> ShardedCalculator:
+    """``ShardedCalculator`` with the command line's skin, partition, halo, device,
+    dtype and compile options."""
+    return ShardedCalculator(
+        model,
+        skin=args.skin,
+        partition=args.partition,
+        halo=args.halo,
+        device=args.device,
+        dtype=getattr(torch, args.dtype) if args.dtype else None,
+        compile=args.compile,
+    )
+
+
+def read_restart(path: str) -> tuple[Atoms, Start]:
+    """The last frame of a trajectory written by ``ase-shard md``, without its
+    calculator and constraints, and the step and time it was written at."""
+    frame = read(path, index=-1)
+    if STEP_KEY not in frame.info:
+        raise CLIError(f"--restart {path}: its last frame has no {STEP_KEY} (not ase-shard md's)")
+    start = Start(int(frame.info[STEP_KEY]), float(frame.info.get(TIME_KEY, 0.0)))
+    atoms = frame.copy()
+    atoms.calc = None
+    atoms.constraints = []  # the dynamics adds its own (Langevin's FixCom)
+    atoms.info = {}
+    return atoms, start
+
+
+def thermalise(atoms: Atoms, temperature: float, rng: np.random.Generator) -> None:
+    """Maxwell-Boltzmann momenta at ``temperature`` K, no drift (nor spin if isolated)."""
+    thermalize_momenta(atoms, temperature_K=temperature, rng=rng)
+    Stationary(atoms)
+    if not atoms.pbc.any():
+        ZeroRotation(atoms)
+
+
+def set_temperature(atoms: Atoms, temperature: float) -> None:
+    """Scale the momenta so that ``atoms.get_temperature()`` is ``temperature`` K.
+
+    A random draw has the target temperature only on average, and removing the
+    drift (and spin) takes some kinetic energy away; ``get_temperature`` counts
+    the degrees of freedom the constraints leave, so it is the reference.
+    """
+    current = atoms.get_temperature()
+    if current > 0:
+        factor = math.sqrt(temperature / current)
+        atoms.set_momenta(atoms.get_momenta() * factor, apply_constraint=False)
+
+
+def make_dynamics(
+    atoms: Atoms,
+    args: argparse.Namespace,
+    temperature: float,
+    defaults: Defaults,
+    rng: np.random.Generator,
+) -> MolecularDynamics:
+    """The ASE integrator of ``args.ensemble``."""
+    timestep = args.timestep * units.fs
+    if args.ensemble == "nve":
+        return VelocityVerlet(atoms, timestep=timestep)
+    if args.ensemble == "langevin":
+        atoms.constraints = [*atoms.constraints, FixCom()]  # ASE's advice over fixcm=True
+        return Langevin(
+            atoms,
+            timestep=timestep,
+            temperature_K=temperature,
+            friction=args.friction / units.fs,
+            fixcm=False,
+            rng=rng,
+        )
+    if args.ensemble == "nvt-berendsen":
+        return NVTBerendsen(
+            atoms, timestep=timestep, temperature_K=temperature, taut=args.taut * units.fs
+        )
+    if atoms.cell.rank != 3:
+        raise CLIError(
+            f"npt-berendsen scales the cell, but this system's cell has rank "
+            f"{atoms.cell.rank}, not 3; use nve, langevin or nvt-berendsen, or give it a cell"
+        )
+    compressibility = (
+        defaults.compressibility if args.compressibility is None else args.compressibility
+    )
+    return NPTBerendsen(
+        atoms,
+        timestep=timestep,
+        temperature_K=temperature,
+        taut=args.taut * units.fs,
+        taup=args.taup * units.fs,
+        pressure_au=args.pressure * units.bar,
+        compressibility_au=compressibility / units.bar,
+    )
+
+
+def warn_barostat_axes(atoms: Atoms, ensemble: str) -> None:
+    """Rank 0 warns when the barostat will scale the cell along a non-periodic axis."""
+    if ensemble != "npt-berendsen" or atoms.pbc.all():
+        return
+    axes = ", ".join("abc"[i] for i in range(3) if not atoms.pbc[i])
+    parprint(
+        f"ase-shard md: warning: npt-berendsen scales all three cell vectors, also the "
+        f"non-periodic {axes}: the vacuum there changes with the pressure",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def check_trajectory_format(path: str | None) -> None:
+    """Refuse a trajectory name whose format ``ase.io`` cannot write several images to."""
+    if path is None:
+        return
+    name = filetype(path, read=False)
+    io = ioformats.get(name)
+    if io is None or not io.can_write or io.single:
+        raise CLIError(
+            f"--trajectory {path}: ase.io cannot append frames to format {name!r}; "
+            "use .traj, .xyz/.extxyz or another multi-image format"
+        )
+
+
+def frame(atoms: Atoms, step: int, time_fs: float) -> Atoms:
+    """A copy of ``atoms`` with the results already computed, the step and time (fs)."""
+    copy = atoms.copy()
+    copy.constraints = []
+    results = {
+        "energy": atoms.get_potential_energy(),
+        "forces": atoms.get_forces(apply_constraint=False),  # the model's, not FixCom's
+    }
+    if "stress" in atoms.calc.results:  # computed by the barostat: no extra evaluation
+        results["stress"] = atoms.get_stress()
+    copy.calc = SinglePointCalculator(copy, **results)
+    # only the step and time: a structure file's own metadata (a CIF's occupancies)
+    # would be repeated in every frame
+    copy.info = {STEP_KEY: step, TIME_KEY: time_fs}
+    return copy
+
+
+class FrameWriter:
+    """Frames appended to ``path`` one by one, by rank 0 (a context manager).
+
+    Parameters
+    ----------
+    path : str
+        The file; :func:`check_trajectory_format` has accepted its format.
+    append : bool
+        Keep the frames already there (``--restart``), else start the file anew.
+    """
+
+    def __init__(self, path: str, append: bool):
+        self.path = path
+        self.format = filetype(path, read=False)
+        self.trajectory = None
+        if self.format == "traj":
+            self.trajectory = Trajectory(path, "a" if append else "w")  # rank 0 writes
+        elif world.rank == 0 and not append:
+            open(path, "w").close()
+
+    def write(self, atoms: Atoms, step: int, time_fs: float) -> None:
+        """Append the current state (every rank calls this; rank 0 writes)."""
+        image = frame(atoms, step, time_fs)  # every rank: reading results is collective-free
+        if self.trajectory is not None:
+            self.trajectory.write(image)
+        elif world.rank == 0:
+            write(self.path, image, format=self.format, append=True, parallel=False)
+
+    def __enter__(self) -> FrameWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.trajectory is not None:
+            self.trajectory.close()
+
+
+class Logger:
+    """The ``--log`` table, on rank 0: step, time (ps), energies per atom (eV), T (K),
+    and with a barostat the pressure (GPa, ideal-gas part included, as the barostat
+    sees it) and the volume (Å³). ``-`` writes to stdout."""
+
+    def __init__(self, path: str, atoms: Atoms, barostat: bool, restart: str | None):
+        self.atoms = atoms
+        self.barostat = barostat
+        self.stream: TextIO | None = None
+        self.own = path != "-"
+        if world.rank != 0:
+            return
+        if not self.own:
+            self.stream = sys.stdout
+        else:
+            self.stream = open(path, "a" if restart else "w")
+        if not (self.own and restart and self.stream.tell()):
+            columns = "# step  time[ps]  Etot/N[eV]  Epot/N[eV]  Ekin/N[eV]      T[K]"
+            self._line(columns + ("    P[GPa]     V[Å^3]" if barostat else ""))
+
+    def write(self, step: int, time_fs: float) -> None:
+        """One row (every rank computes it from cached results; rank 0 writes)."""
+        atoms = self.atoms
+        n = len(atoms)
+        epot, ekin = atoms.get_potential_energy() / n, atoms.get_kinetic_energy() / n
+        row = (
+            f"{step:6d} {time_fs / 1000:9.4f} {epot + ekin:11.5f} {epot:11.5f} {ekin:11.5f} "
+            f"{atoms.get_temperature():9.2f}"
+        )
+        if self.barostat:
+            stress = atoms.get_stress(include_ideal_gas=True)
+            pressure = -stress[:3].mean() / units.GPa
+            row += f" {pressure:9.4f} {atoms.get_volume():10.2f}"
+        self._line(row)
+
+    def _line(self, text: str) -> None:
+        if self.stream is not None:
+            self.stream.write(text + "\n")
+            self.stream.flush()  # rows and the progress on stderr appear in order
+
+    def __enter__(self) -> Logger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.own and self.stream is not None:
+            self.stream.close()
+
+
+# ----------------------------------------------------------------------------- guards
+
+
+class Guard:
+    """MD observer (every step, every rank) that raises :class:`Unstable` when the run
+    blows up: non-finite energy or forces, T above ``TEMPERATURE_FACTOR`` times
+    ``max(reference, TEMPERATURE_FLOOR)``, or an atom escaping along a non-periodic axis.
+
+    Parameters
+    ----------
+    atoms : Atoms
+        The running system; its current positions set the box of the escape test.
+    dyn : MolecularDynamics
+        Its integrator, for the step number.
+    reference : float
+        K: the thermostat's target, or the initial temperature under NVE.
+    last_step : int
+        The step the run ends at, for the message.
+    """
+
+    def __init__(self, atoms: Atoms, dyn: MolecularDynamics, reference: float, last_step: int):
+        self.atoms = atoms
+        self.dyn = dyn
+        self.last_step = last_step
+        self.reference = max(reference, TEMPERATURE_FLOOR)
+        self.limit = TEMPERATURE_FACTOR * self.reference
+        self.axes = np.flatnonzero(~atoms.pbc)
+        coordinates = atoms.positions[:, self.axes]
+        low, high = coordinates.min(axis=0), coordinates.max(axis=0)
+        margin = np.maximum(high - low, ESCAPE_DISTANCE)
+        self.low, self.high = low - margin, high + margin
+
+    def __call__(self) -> None:
+        atoms = self.atoms
+        energy = atoms.get_potential_energy()
+        forces = atoms.get_forces(apply_constraint=False)
+        if not np.isfinite(energy) or not np.isfinite(forces).all():
+            self._stop("the energy or forces are not finite")
+        temperature = atoms.get_temperature()
+        if not temperature <= self.limit:
+            self._stop(
+                f"T = {temperature:.4g} K exceeds {TEMPERATURE_FACTOR:g} x "
+                f"{self.reference:g} K; try a smaller --timestep"
+            )
+        coordinates = atoms.positions[:, self.axes]
+        outside = (coordinates < self.low) | (coordinates > self.high)
+        if outside.any():
+            atom, axis = np.argwhere(outside)[0]
+            self._stop(
+                f"atom {atom} left the box along non-periodic axis {'xyz'[self.axes[axis]]} "
+                f"(more than {self.high[axis] - self.low[axis]:.0f} Å span)"
+            )
+
+    def _stop(self, reason: str) -> None:
+        step = self.dyn.nsteps
+        raise Unstable(f"the run is unstable at step {step} of {self.last_step}: {reason}")
+
+
+class StopSignals:
+    """Turn SIGINT, SIGTERM and SIGUSR1 into a request to stop after the current step
+    (a context manager; ``received`` is the signal number). A second SIGINT raises
+    ``KeyboardInterrupt`` at once. Outside the main thread it changes nothing."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum: int, frame) -> None:
+        if signum == signal.SIGINT and self.received is not None:
+            raise KeyboardInterrupt
+        self.received = signum
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for number in STOP_SIGNALS:
+                self._previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+
+
+# ----------------------------------------------------------------------------- progress
+
+
+class EnergyTracker:
+    """MD observer (every step, every rank): total energy per atom and temperature,
+    and the progress display."""
+
+    def __init__(
+        self, atoms: Atoms, dyn: MolecularDynamics, progress: Progress | None, start: int
+    ):
+        self.atoms = atoms
+        self.dyn = dyn
+        self.progress = progress
+        self.start_step = start
+        self.totals: list[float] = []  # eV/atom
+        self.temperatures: list[float] = []  # K
+        self.start = time.perf_counter()
+
+    def __call__(self) -> None:
+        atoms = self.atoms
+        total = (atoms.get_potential_energy() + atoms.get_kinetic_energy()) / len(atoms)
+        self.totals.append(total)
+        self.temperatures.append(atoms.get_temperature())
+        if self.progress is not None:
+            done = self.dyn.nsteps - self.start_step
+            self.progress.update(done, total, time.perf_counter() - self.start)
+
+
+class Progress:
+    """Progress on ``stream``: a bar redrawn in place on a terminal, else a line every 10 %.
+
+    Parameters
+    ----------
+    total : int
+        Number of steps.
+    stream : file
+        Where to write (rank 0's stderr).
+    live : bool
+        Redraw one line with ``\\r`` (at most 10 times a second).
+    """
+
+    WIDTH = 30
+
+    def __init__(self, total: int, stream: TextIO, live: bool):
+        self.total = total
+        self.stream = stream
+        self.live = live
+        self.shown = -1  # last tenth (or redraw time) shown
+        self.last_draw = 0.0
+
+    def update(self, done: int, total_energy: float, elapsed: float) -> None:
+        """Show step ``done`` of ``total`` after ``elapsed`` s; ``total_energy`` in eV/atom."""
+        fraction = done / self.total if self.total else 1.0
+        if self.live:
+            if done < self.total and elapsed - self.last_draw < 0.1:
+                return
+            self.last_draw = elapsed
+        else:
+            tenth = int(10 * fraction)
+            if tenth == self.shown:
+                return
+            self.shown = tenth
+        rate = done / elapsed if done and elapsed > 0 else 0.0
+        eta = f"{_clock((self.total - done) / rate)}" if rate else "--:--"
+        text = (
+            f"{done:>{len(str(self.total))}}/{self.total} steps  {rate:7.2f} steps/s  "
+            f"ETA {eta}  Etot {total_energy:.6f} eV/atom"
+        )
+        if self.live:
+            filled = int(self.WIDTH * fraction)
+            bar = "#" * filled + "-" * (self.WIDTH - filled)
+            self.stream.write(f"\r[{bar}] {text}")
+        else:
+            self.stream.write(f"{100 * fraction:3.0f}% {text}\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        """End the redrawn line."""
+        if self.live:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _clock(seconds: float) -> str:
+    minutes, seconds = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes:02d}:{seconds:02d}"
+
+
+def print_summary(
+    atoms: Atoms, steps: int, wall: float, rebuilds: int, tracker: EnergyTracker, ensemble: str
+) -> None:
+    """Rank 0: throughput, rebuilds, then for NVE the total-energy drift per atom and
+    for the thermostats the temperature's mean and standard deviation; final T."""
+    n = len(atoms)
+    rate = steps / wall if wall > 0 else float("nan")
+    lines = [
+        "ase-shard md summary",
+        f"  atoms          {n}",
+        f"  ranks          {world.size}",
+        f"  steps          {steps}",
+        f"  wall time      {wall:.2f} s",
+        f"  steps/s        {rate:.3f}",
+        f"  atom-steps/s   {rate * n:.4g}",
+        f"  rebuilds       {rebuilds}",
+    ]
+    if ensemble in THERMOSTATS:
+        temperatures = np.array(tracker.temperatures)
+        lines.append(
+            f"  T              mean {temperatures.mean():.2f} K, standard deviation "
+            f"{temperatures.std():.2f} K over {len(temperatures)} steps"
+        )
+    else:
+        totals = np.array(tracker.totals)
+        lines.append(
+            f"  Etot drift     max |Etot - Etot0| = {np.abs(totals - totals[0]).max():.3e} "
+            f"eV/atom, final - initial = {totals[-1] - totals[0]:+.3e} eV/atom"
+        )
+    lines.append(f"  final T        {atoms.get_temperature():.2f} K")
+    parprint("\n".join(lines), flush=True)

@@ -1,0 +1,146 @@
+"""``--model``: built-ins, the checkpoints sevenn ships, model files, and their options.
+
+References are SevenNet's own ASE calculator (``sevenn.calculator.SevenNetCalculator``)
+and ``ase.io`` read-back, not numbers printed by ``ase-shard``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from ase.build import bulk, molecule
+from ase.io import read, write
+
+from ase_shard.cli import main, shipped_checkpoints
+from ase_shard.comm import Comm
+
+pytestmark = pytest.mark.skipif(Comm().size > 1, reason="runs ase-shard serially and under mpirun")
+sevenn = pytest.importorskip("sevenn")
+SHIPPED = shipped_checkpoints()
+needs_7net0 = pytest.mark.skipif("7net-0" not in SHIPPED, reason="sevenn ships no 7net-0")
+
+
+def mpirun_env() -> dict[str, str]:
+    """Environment for Open MPI as root, one thread a rank, offline."""
+    allow = ("OMPI", "PRTE")
+    env = {f"{p}_ALLOW_RUN_AS_ROOT{s}": "1" for p in allow for s in ("", "_CONFIRM")}
+    return dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", **env)
+
+
+def sevenn_reference(frame, checkpoint: str, modal: str | None = None):
+    """Energy and forces of ``frame`` by SevenNet's own ASE calculator."""
+    from sevenn.calculator import SevenNetCalculator
+
+    atoms = frame.copy()
+    kwargs = {} if modal is None else {"modal": modal}
+    atoms.calc = SevenNetCalculator(checkpoint, device="cpu", **kwargs)
+    return atoms.get_potential_energy(), atoms.get_forces()
+
+
+def test_unknown_model_is_one_line_with_the_choices(capsys) -> None:
+    assert main(["md", "--model", "7net-nonsense"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("ase-shard md: error: unknown model '7net-nonsense': choose emt, lj")
+    for name in SHIPPED:
+        assert name in line
+
+
+def test_model_file_of_unknown_kind_exit_2(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\0")
+    assert main(["md", "--model", str(path)]) == 2
+    assert ".nequip.zip" in capsys.readouterr().err
+
+
+def test_info_models_lists_shipped_checkpoints(capsys) -> None:
+    assert main(["info", "--models"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^built-in +emt, lj, morse$", out, re.MULTILINE)
+    for name, path in SHIPPED.items():
+        assert path.is_file() and f"{name}" in out and str(path) in out
+    assert re.search(r"\.pth +SevenNet checkpoint: yes \(sevenn ", out)
+
+
+@needs_7net0
+@pytest.mark.timeout(300)
+def test_md_with_7net0_by_name_and_by_file_matches_sevenn(tmp_path: Path, capsys) -> None:
+    """A molecule with the shipped 7net-0, by name and as a .pth path; float64, full halo."""
+    structure = tmp_path / "h2o.xyz"
+    write(structure, molecule("H2O"))
+    frames = {}
+    for model in ("7NET-0", str(SHIPPED["7net-0"])):
+        traj = tmp_path / f"{len(frames)}.extxyz"
+        argv = ["md", str(structure), "--model", model, "--steps", "2", "--interval", "2"]
+        argv += ["--dtype", "float64", "--halo", "full", "--device", "cpu", "--timestep", "0.5"]
+        assert main([*argv, "--trajectory", str(traj), "--no-progress"]) == 0
+        assert "(SevenNet) on 1 rank(s) (cpu, float64)" in capsys.readouterr().out
+        frames[model] = read(traj, ":")
+    by_name, by_path = frames.values()
+    assert len(by_name) == 2
+    for a, b in zip(by_name, by_path, strict=True):
+        np.testing.assert_array_equal(a.positions, b.positions)
+    energy, forces = sevenn_reference(by_name[-1], "7net-0")
+    assert by_name[-1].get_potential_energy() == pytest.approx(energy, abs=1e-4)
+    np.testing.assert_allclose(by_name[-1].get_forces(), forces, atol=1e-4)
+
+
+@pytest.mark.skipif("7net-mf-0" not in SHIPPED, reason="sevenn ships no 7net-mf-0")
+@pytest.mark.timeout(300)
+def test_multi_fidelity_needs_modality(tmp_path: Path, capsys) -> None:
+    structure = tmp_path / "h2o.xyz"
+    write(structure, molecule("H2O"))
+    argv = ["md", str(structure), "--model", "7net-MF-0", "--steps", "1", "--no-progress"]
+    assert main(argv) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "--modality" in line and "PBE" in line
+    traj = tmp_path / "mf.extxyz"
+    assert main([*argv, "--modality", "pbe", "--trajectory", str(traj)]) == 0
+    first = read(traj, 0)
+    energy, forces = sevenn_reference(first, "7net-mf-0", modal="PBE")
+    assert first.get_potential_energy() == pytest.approx(energy, abs=1e-4)
+    np.testing.assert_allclose(first.get_forces(), forces, atol=1e-4)
+
+
+def test_modality_for_a_builtin_exit_2(capsys) -> None:
+    assert main(["md", "--size", "2", "--model", "emt", "--modality", "PBE"]) == 2
+    assert "--modality applies to SevenNet and MACE" in capsys.readouterr().err
+
+
+@needs_7net0
+@pytest.mark.timeout(600)
+def test_acceptance_7net0_256_cu_on_two_ranks(tmp_path: Path) -> None:
+    """`mpirun -n 2 ase-shard md cu.cif --model 7net-0 ... --trajectory out.xyz`: exit 0,
+    frames with energy and forces that ase.io reads. The issue's 20 steps take about
+    100 s here; the suite runs 4 (the 20-step run is in the issue note)."""
+    mpirun = Path(sys.executable).parent / "mpirun"
+    if not mpirun.exists():
+        pytest.skip(f"no {mpirun}")
+    cif, out = tmp_path / "cu.cif", tmp_path / "out.xyz"
+    write(cif, bulk("Cu", "fcc", a=3.61, cubic=True).repeat(4))
+    command = [str(mpirun), "-n", "2", sys.executable, "-m", "ase_shard.cli", "md", str(cif)]
+    command += ["--model", "7net-0", "--steps", "4", "--trajectory", str(out), "--interval", "2"]
+    done = subprocess.run(
+        ["timeout", "-k", "10", "540", *command],
+        env=mpirun_env(),
+        capture_output=True,
+        text=True,
+        timeout=570,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("ase-shard md summary") == 1
+    frames = read(out, ":")
+    assert [frame.info["md_step"] for frame in frames] == [0, 2, 4]
+    for frame in frames:
+        assert len(frame) == 256
+        assert np.isfinite(frame.get_potential_energy())
+        assert frame.get_forces().shape == (256, 3)
+    energy, forces = sevenn_reference(frames[-1], "7net-0")
+    # 7net-0 runs in float32: agreement to its precision
+    assert frames[-1].get_potential_energy() == pytest.approx(energy, rel=1e-5)
+    np.testing.assert_allclose(frames[-1].get_forces(), forces, atol=2e-4)
