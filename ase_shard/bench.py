@@ -166,7 +166,7 @@ class BareModel:
         self.skin = skin
         self.dtype = dtype
         self.device = torch.device(device)
-        self.timer = PhaseTimer(self.device)
+        self.timer = PhaseTimer(self.device, synchronize=True)
         self.pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def build(self, atoms: Atoms) -> None:
@@ -485,6 +485,7 @@ class _ShardedSubject:
         self.atoms = atoms
         atoms.calc = calc
         self.timer = calc.timer
+        self.timer.synchronize = True  # per-phase times, at the cost of GPU stalls
 
     def evaluate(self, rebuild: bool) -> tuple[float, np.ndarray]:
         if rebuild:
@@ -1200,6 +1201,7 @@ def run_framework(
     rng = np.random.default_rng(settings.seed)  # the same momenta on every rank
     thermalize_momenta(atoms, temperature_K=settings.temperature, rng=rng)
     calc = ShardedCalculator(model, skin=settings.skin, dtype=dtype, **(settings.calculator or {}))
+    calc.timer.synchronize = True
     threads = comm.gather(torch.get_num_threads())
     affinity = comm.gather(_cpus())
     memory = PeakMemory(calc.device)

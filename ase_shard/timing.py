@@ -29,8 +29,12 @@ class PhaseTimer:
     Parameters
     ----------
     device : torch.device
-        On a CUDA device each phase synchronises before reading the clock, so
-        asynchronous kernels are charged to the phase that launched them.
+        The device whose work is timed.
+    synchronize : bool
+        On a CUDA device, synchronise before each reading of the clock, so
+        asynchronous kernels are charged to the phase that launched them
+        (benchmarks). Off by default: a production step must not stall the
+        GPU at every phase boundary for its timings.
     comm : ase_shard.comm.Comm, optional
         Its MPI time is kept apart: :attr:`cpu` excludes the CPU time spent
         inside MPI calls (Open MPI spin-waits there while other ranks work).
@@ -44,11 +48,12 @@ class PhaseTimer:
         MPI calls excluded: the work this rank did itself.
     """
 
-    def __init__(self, device: torch.device | None = None, comm: Any = None):
-        device = torch.device(device) if device is not None else None
-        # this rank's GPU, not GPU 0
-        self.synchronize = device if device is not None and device.type == "cuda" else None
+    def __init__(
+        self, device: torch.device | None = None, comm: Any = None, synchronize: bool = False
+    ):
+        self.device = torch.device(device) if device is not None else None
         self.comm = comm
+        self.synchronize = synchronize
         self.reset()
 
     def reset(self) -> None:
@@ -62,14 +67,15 @@ class PhaseTimer:
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Charge the time spent in the ``with`` block to ``name``."""
-        if self.synchronize is not None:
-            torch.cuda.synchronize(self.synchronize)
+        sync = self.synchronize and self.device is not None and self.device.type == "cuda"
+        if sync:
+            torch.cuda.synchronize(self.device)  # this rank's GPU, not GPU 0
         start, start_cpu, start_mpi = time.perf_counter(), time.process_time(), self._mpi_cpu()
         try:
             yield
         finally:
-            if self.synchronize is not None:
-                torch.cuda.synchronize(self.synchronize)
+            if sync:
+                torch.cuda.synchronize(self.device)
             self.totals[name] += time.perf_counter() - start
             mpi = self._mpi_cpu() - start_mpi
             self.cpu[name] += time.process_time() - start_cpu - mpi
