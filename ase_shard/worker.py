@@ -101,7 +101,8 @@ def spawn(model: torch.nn.Module, workers: int = 2, **kwargs: Any) -> ShardedCal
                 "importable by a fresh Python process (defined in a module, not in "
                 "the notebook or __main__)"
             ) from rebuild(failed)
-        calc = _spawned_calculator(model, comm, kwargs)
+        # this process drives and computes nothing: it takes no GPU, nor a model copy on one
+        calc = _spawned_calculator(model, comm, {**kwargs, "device": "cpu"})
     except BaseException:
         release()  # the workers leave too: they disconnect after a failed start
         raise
@@ -266,7 +267,8 @@ def worker_main() -> None:
     payload, kwargs = comm.bcast(None, root=0)
     model, error = None, None
     try:
-        model = torch.load(io.BytesIO(payload), weights_only=False)
+        # a model sent from a GPU loads here too; the calculator places it
+        model = torch.load(io.BytesIO(payload), weights_only=False, map_location="cpu")
     except Exception as exc:
         error = describe(exc, comm.Get_rank())
     if not any(comm.allgather(error)):
