@@ -100,6 +100,8 @@ class LocalBlock:
     min_distance : float
         Å; :meth:`evaluate` raises ``ValueError`` for a pair of atoms closer
         than this (only pairs within the model's cutoff are seen; 0: no check).
+    neighbor_list : {"auto", "vesin", "torch"}
+        The neighbour search (see :func:`ase_shard.neighbors.neighbor_pairs`).
     """
 
     def __init__(
@@ -115,6 +117,7 @@ class LocalBlock:
         timer: PhaseTimer | None = None,
         compiled=None,
         min_distance: float = 0.0,
+        neighbor_list: str = "auto",
     ):
         self.device = torch.device(device)
         self.timer = timer or PhaseTimer(self.device)
@@ -139,15 +142,17 @@ class LocalBlock:
         with self.timer.phase("neighbors"):
             atoms = torch.as_tensor(node_positions, dtype=torch.float64, device=self.device)
             cell = torch.as_tensor(cell, dtype=torch.float64, device=self.device)
-            pairs = neighbor_pairs(atoms[node] + image_shift @ cell, float(model.cutoff) + skin)
-            pairs = pairs.to(self.device)
             # Edges centred on owned nodes suffice when the energy of an atom
             # depends on its own edges only (one layer) or ghosts get their
             # features from their owners (per-layer halo); folded images never
             # centre an edge, their node already has them all.
             owned_only = exchange is not None or int(model.num_layers) == 1
-            pairs = pairs[:, pairs[0] < (self.n_owned if owned_only else self.n_nodes)]
-            centre, neighbour_row = pairs
+            centre, neighbour_row = neighbor_pairs(
+                atoms[node] + image_shift @ cell,
+                float(model.cutoff) + skin,
+                n_centres=self.n_owned if owned_only else self.n_nodes,
+                neighbor_list=neighbor_list,
+            )
             self.centre = centre
             self.neighbour = node[neighbour_row]
             # cells between the neighbour's row and its node, kept for the few edges

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -44,6 +45,7 @@ from ase_shard.graph import (
 )
 from ase_shard.halo import RankRows, local_rows, rank_rows
 from ase_shard.inputs import ModelInputs, pack, unpack
+from ase_shard.neighbors import NEIGHBOR_LISTS
 from ase_shard.padding import Capacities
 from ase_shard.partition import (
     PARTITIONS,
@@ -232,6 +234,12 @@ def _order(owners: np.ndarray) -> np.ndarray | None:
     return np.argsort(owners, kind="stable")
 
 
+def _failed_frames() -> int:
+    """Frames torch.compile has given up on in this process (they ran eagerly)."""
+    frames = torch._dynamo.utils.counters["frames"]
+    return frames["total"] - frames["ok"]
+
+
 def _strain(deformation: np.ndarray) -> float:
     """Spectral norm of ``F - I`` for a cell deformation ``F``."""
     return float(np.linalg.norm(deformation - np.eye(3), ord=2))
@@ -296,6 +304,10 @@ class ShardedCalculator(Calculator):
         ``ValueError`` on every rank naming them: overlapping atoms in a
         structure, or an MD run that blew up. The default, 0.5 Å, is below
         every bond (H2: 0.74 Å); 0 turns the check off.
+    neighbor_list : {"auto", "vesin", "torch"}
+        The local neighbour search at rebuilds: ``vesin`` (CPU), ``torch`` (a
+        cell list that stays on the device), or ``auto``: vesin for CPU
+        tensors, torch on an accelerator.
 
     Results (eV, eV/Å, eV/Å³) equal the serial evaluation to round-off and are
     bitwise identical on every rank. ``stress``/``stresses`` exist only when the
@@ -319,6 +331,7 @@ class ShardedCalculator(Calculator):
         compile: bool | str = False,
         timeout: float | None = 600.0,
         min_distance: float = 0.5,
+        neighbor_list: str = "auto",
         **kwargs,
     ):
         if partition not in PARTITIONS:
@@ -327,6 +340,10 @@ class ShardedCalculator(Calculator):
             raise ValueError(f"skin must be >= 0 Å, not {skin}")
         if not min_distance >= 0:
             raise ValueError(f"min_distance must be >= 0 Å, not {min_distance}")
+        if neighbor_list not in NEIGHBOR_LISTS:
+            raise ValueError(
+                f"neighbor_list must be one of {NEIGHBOR_LISTS}, not {neighbor_list!r}"
+            )
         if halo is None:
             halo = "layer" if supports_layer_halo(model) else "full"
         if halo not in HALOS:
@@ -372,6 +389,7 @@ class ShardedCalculator(Calculator):
             halo=halo,
             compile=compile,
             min_distance=float(min_distance),
+            neighbor_list=neighbor_list,
             model=type(model).__name__,
         )
         self.rebuilds = 0
@@ -380,11 +398,15 @@ class ShardedCalculator(Calculator):
         self._compiled = None
         self._capacity = Capacities()
         self._exchange_handle: int | None = None
+        # frames torch.compile gave up on and ran eagerly, while this calculator ran
+        self.compile_fallbacks = 0
         if compile:
-            # a frame dynamo cannot compile runs eagerly instead of raising
+            # a frame dynamo cannot compile runs eagerly instead of raising; counted
+            # and warned about in _count_compile_fallbacks
             torch._dynamo.config.suppress_errors = True
             backend = compile if isinstance(compile, str) else "inductor"
             self._compiled = torch.compile(self.model, backend=backend, dynamic=False)
+            self._failed_frames = _failed_frames()
         # set by ase_shard.worker: rank 0 drives, the other ranks serve
         self._driven = False
         self._idle_root = False
@@ -520,6 +542,8 @@ class ShardedCalculator(Calculator):
         try:
             inputs = unpack(nodes[:, 3:], request.input_shapes)
             rows = block.evaluate(nodes[:, :3], request.cell, self.dtype, inputs, request.system)
+            if self._compiled is not None:
+                self._count_compile_fallbacks()
             # the closing status vote (see ase_shard.exchange)
             if comm.any(False):
                 raise PeerFailure("another rank failed")
@@ -771,6 +795,7 @@ class ShardedCalculator(Calculator):
                 self.timer,
                 self._compiled,
                 self.parameters["min_distance"],
+                self.parameters["neighbor_list"],
             )
             needed = self._block.needed()
         except Exception as exc:
@@ -971,6 +996,21 @@ class ShardedCalculator(Calculator):
             if name == "stresses":
                 result /= atoms.get_volume()
             self.results[name] = result[:, 0] if name == "energies" else result
+
+    def _count_compile_fallbacks(self) -> None:
+        """Warn when torch.compile gave up on part of the model (it then runs eagerly)."""
+        failed = _failed_frames()
+        if failed > self._failed_frames:
+            self.compile_fallbacks += failed - self._failed_frames
+            self._failed_frames = failed
+            warnings.warn(
+                f"torch.compile could not compile part of {type(self.model).__name__}; "
+                "that part runs eagerly, "
+                f"{self.compile_fallbacks} time(s) so far (calc.compile_fallbacks); "
+                "torch._dynamo's warning in the log says why",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def close(self) -> None:
         """Release the serving ranks (worker/notebook mode); safe to call twice.

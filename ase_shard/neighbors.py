@@ -2,7 +2,10 @@
 
 Each rank's block (owned rows + ghosts) carries its periodic images as rows,
 so the search is always non-periodic. CPU tensors go to ``vesin``; tensors on
-an accelerator use a torch cell list so they never leave the device.
+an accelerator use a torch cell list so they never leave the device
+(``neighbor_list`` picks either). The cell list waits on the device 6 times a
+call, plus once for every chunk of candidate pairs (at most 38 in all): 2 in
+:func:`close_gaps`, 4 to lay out its work; it copies nothing to the device.
 """
 
 from __future__ import annotations
@@ -11,11 +14,19 @@ import itertools
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 import vesin
 
+NEIGHBOR_LISTS = ("auto", "vesin", "torch")
 
-def neighbor_pairs(positions: torch.Tensor, cutoff: float) -> torch.Tensor:
-    """Full list of pairs closer than ``cutoff``.
+
+def neighbor_pairs(
+    positions: torch.Tensor,
+    cutoff: float,
+    n_centres: int | None = None,
+    neighbor_list: str = "auto",
+) -> torch.Tensor:
+    """Full list of pairs closer than ``cutoff``, optionally centred on the first rows only.
 
     Parameters
     ----------
@@ -23,19 +34,38 @@ def neighbor_pairs(positions: torch.Tensor, cutoff: float) -> torch.Tensor:
         ``(n, 3)`` positions in Å.
     cutoff : float
         Search radius in Å.
+    n_centres : int, optional
+        Only pairs centred on one of the first ``n_centres`` rows (a rank's owned
+        rows): ``(i, j)`` is kept when ``i < n_centres``, whatever ``j``.
+        Default: every row is a centre.
+    neighbor_list : {"auto", "vesin", "torch"}
+        The search: ``vesin`` (on the host), the torch cell list (on the
+        tensors' device), or ``auto``: vesin for CPU tensors, torch elsewhere.
 
     Returns
     -------
     torch.Tensor
         ``(2, E)`` int64 on ``positions.device``: both ``(i, j)`` and ``(j, i)``
-        for every pair with ``|r_j - r_i| < cutoff``, ``i != j``.
+        for every pair with ``|r_j - r_i| < cutoff``, ``i != j``, less those
+        whose centre ``i`` is not one of the centres; in no particular order.
+
+    Raises
+    ------
+    ValueError
+        For another ``neighbor_list``, or ``n_centres`` outside ``[0, n]``.
     """
-    if positions.shape[0] < 2:
+    if neighbor_list not in NEIGHBOR_LISTS:
+        raise ValueError(f"neighbor_list must be one of {NEIGHBOR_LISTS}, not {neighbor_list!r}")
+    n = positions.shape[0]
+    n_centres = n if n_centres is None else int(n_centres)
+    if not 0 <= n_centres <= n:
+        raise ValueError(f"n_centres must lie in [0, {n}], not {n_centres}")
+    if n < 2 or n_centres == 0:
         return torch.zeros((2, 0), dtype=torch.int64, device=positions.device)
     positions = close_gaps(positions.detach().to(torch.float64), cutoff)
-    if positions.device.type == "cpu":
-        return _vesin_pairs(positions, cutoff)
-    return _cell_list_pairs(positions, cutoff)
+    if neighbor_list == "torch" or (neighbor_list == "auto" and positions.device.type != "cpu"):
+        return _cell_list_pairs(positions, cutoff, n_centres)
+    return _vesin_pairs(positions.cpu(), cutoff, n_centres).to(positions.device)
 
 
 def close_gaps(positions: torch.Tensor, cutoff: float) -> torch.Tensor:
@@ -61,16 +91,19 @@ def _may_have_gaps(positions: torch.Tensor, cutoff: float) -> bool:
     Slabs of width ``4 cutoff`` tile each axis; one of them is empty inside
     every gap wider than ``8 cutoff``. Narrower gaps may stay open: they add
     less than ``8 cutoff`` each to the extent, which stays ``O(n cutoff)``.
+    Two host syncs: the widest axis, and the answer.
     """
     lo = positions.min(dim=0).values
     slabs = torch.floor((positions - lo) / (4.0 * cutoff)).to(torch.int64)
     n_slabs = slabs.max(dim=0).values + 1
-    if bool((n_slabs > 4 * positions.shape[0]).any()):
+    widest = int(n_slabs.max())
+    if widest > 4 * positions.shape[0]:
         return True
-    return any(
-        bool((torch.bincount(slabs[:, axis], minlength=int(n)) == 0).any())
-        for axis, n in enumerate(n_slabs.tolist())
-    )
+    # the three axes at once: a scatter rather than bincount, which syncs on CUDA
+    occupied = torch.zeros((3, widest), dtype=torch.bool, device=positions.device)
+    occupied.scatter_(1, slabs.T, True)
+    inside = torch.arange(widest, device=positions.device) < n_slabs[:, None]
+    return bool((inside & ~occupied).any())
 
 
 # Points per vesin search: its time per point grows with the block beyond about
@@ -78,10 +111,14 @@ def _may_have_gaps(positions: torch.Tensor, cutoff: float) -> bool:
 VESIN_SLAB = 100_000
 
 
-def _vesin_pairs(positions: torch.Tensor, cutoff: float) -> torch.Tensor:
+def _vesin_pairs(positions: torch.Tensor, cutoff: float, n_centres: int) -> torch.Tensor:
+    """``(2, E)`` int64 CPU list of pairs centred on the first ``n_centres`` rows, by vesin."""
     points = positions.numpy()  # neighbor_pairs passes detached float64
     if len(points) <= VESIN_SLAB:
-        return torch.from_numpy(_vesin_block(points, cutoff))
+        pairs = _vesin_block(points, cutoff)
+        if n_centres < len(points):
+            pairs = pairs[:, pairs[0] < n_centres]
+        return torch.from_numpy(pairs)
     # slabs along the longest axis, each searched with its neighbours within the
     # cutoff; a pair is kept by the slab that holds its centre
     # the longest axis of a sample: any axis gives the same pairs
@@ -92,9 +129,9 @@ def _vesin_pairs(positions: torch.Tensor, cutoff: float) -> torch.Tensor:
     found = []
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
         members = np.flatnonzero((x >= lo - cutoff) & (x <= hi + cutoff))
-        pairs = _vesin_block(points[members], cutoff)
-        centre_x = x[members[pairs[0]]]
-        found.append(members[pairs[:, (centre_x >= lo) & (centre_x < hi)]])
+        pairs = members[_vesin_block(points[members], cutoff)]
+        centre_x = x[pairs[0]]
+        found.append(pairs[:, (centre_x >= lo) & (centre_x < hi) & (pairs[0] < n_centres)])
     return torch.from_numpy(np.concatenate(found, axis=1))
 
 
@@ -106,36 +143,166 @@ def _vesin_block(points: np.ndarray, cutoff: float) -> np.ndarray:
     return np.stack([i.view(np.int64), j.view(np.int64)])
 
 
-def _cell_list_pairs(positions: torch.Tensor, cutoff: float) -> torch.Tensor:
-    """Vectorised cell list: bins of edge ``cutoff``, 27 neighbouring bins."""
-    device = positions.device
-    pos = positions.detach().to(torch.float64)
-    origin = pos.min(dim=0).values
-    bins = torch.floor((pos - origin) / cutoff).to(torch.int64)
-    n_bins = bins.max(dim=0).values + 3  # one empty layer on each side
-    bins = bins + 1
-    strides = torch.stack([n_bins[1] * n_bins[2], n_bins[2], torch.ones_like(n_bins[2])])
-    keys = (bins * strides).sum(dim=1)
-    order = torch.argsort(keys)
-    sorted_keys = keys[order]
-    total_bins = int(n_bins.prod())
-    counts = torch.bincount(sorted_keys, minlength=total_bins)
-    starts = torch.cumsum(counts, 0) - counts
+# The half stencil: a bin pairs with itself and with the 13 neighbouring bins
+# whose offset is lexicographically positive, so each pair of points is met once.
+_HALF_STENCIL = ((0, 0, 0), *(o for o in itertools.product((-1, 0, 1), repeat=3) if o > (0, 0, 0)))
 
-    centres, neighbours = [], []
-    for offset in itertools.product((-1, 0, 1), repeat=3):
-        shift = (torch.tensor(offset, device=device) * strides).sum()
-        other = keys + shift
-        n_other = counts[other]
-        centre = torch.repeat_interleave(torch.arange(pos.shape[0], device=device), n_other)
-        first = torch.repeat_interleave(starts[other], n_other)
-        rank_in_bin = torch.arange(centre.shape[0], device=device) - torch.repeat_interleave(
-            torch.cumsum(n_other, 0) - n_other, n_other
+# Candidate pairs per chunk of the cell list: at least CELL_CHUNK (enough work
+# to fill a GPU), at most CELL_CHUNKS chunks (each one syncs); about 80 bytes a
+# candidate at the peak of a chunk.
+CELL_CHUNK = 1 << 20
+CELL_CHUNKS = 32
+
+
+def _cell_list_pairs(positions: torch.Tensor, cutoff: float, n_centres: int) -> torch.Tensor:
+    """Pairs centred on the first ``n_centres`` rows, by a sparse cell list on the tensors' device.
+
+    Parameters
+    ----------
+    positions : torch.Tensor
+        ``(n, 3)`` float64 positions in Å, ``n >= 1``, at most ``8 n cutoff``
+        wide along each axis (as :func:`close_gaps` leaves them).
+    cutoff : float
+        Search radius in Å.
+    n_centres : int
+        Pairs ``(i, j)`` with ``i >= n_centres`` are left out.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(2, E)`` int64 on ``positions.device``, as :func:`neighbor_pairs`.
+
+    Notes
+    -----
+    Work items pair the rows of a bin with those of a bin of its half stencil.
+    Their candidates are generated and filtered by distance one chunk of items
+    at a time, each kept pair giving those of its two directions whose centre
+    is a centre; so memory is ``O(n + pairs + chunk)`` whatever the extent.
+    Host syncs: 2 in :func:`_stencil_bins`, 2 to lay out the items, and 1 per
+    chunk (its kept candidates), at most ``4 + CELL_CHUNKS`` in all.
+    """
+    device = positions.device
+    order, starts, counts, near, found = _stencil_bins(positions, cutoff)
+
+    # sorted rows that are centres; bin pairs without one are skipped
+    is_centre = order < n_centres
+    centres_before = F.pad(is_centre.cumsum(0), (1, 0))
+    has_centre = centres_before[starts + counts] > centres_before[starts]
+    live = (found & (has_centre | has_centre[near])).flatten().nonzero().squeeze(1)
+    if live.shape[0] == 0:  # sync above: the live items
+        return torch.zeros((2, 0), dtype=torch.int64, device=device)
+    # An item pairs each row of its home bin with a run of rows of the other bin:
+    # all of them, or for the bin with itself (offset 0) those after the row.
+    home, other = live % near.shape[1], near.flatten()[live]
+    is_self = live < near.shape[1]
+    n_i, n_j, first_i, first_j = counts[home], counts[other], starts[home], starts[other]
+    size = torch.where(is_self, n_i * (n_i - 1) // 2, n_i * n_j)  # candidates
+
+    # chunks: the items whose candidates start in [k chunk, (k + 1) chunk)
+    rows_before = F.pad(n_i.cumsum(0), (1, 0))  # rows of the items before each
+    before = F.pad(size.cumsum(0), (1, 0))  # candidates of the items before each
+    chunk = torch.clamp(-(-before[-1] // CELL_CHUNKS), min=CELL_CHUNK)
+    bounds = torch.searchsorted(before[:-1], torch.arange(CELL_CHUNKS + 1, device=device) * chunk)
+    plan = torch.stack([bounds, rows_before[bounds], before[bounds]], 1)
+    plan = plan.tolist()  # sync: first item, row and candidate of every chunk
+
+    # pieces in int32 while row numbers fit: the pieces and the result coexist at the end
+    index_dtype = torch.int32 if order.shape[0] < 2**31 else torch.int64
+    sorted_positions = positions[order].T.contiguous()  # (3, n): one gather per axis
+    cutoff2 = cutoff * cutoff
+    pieces = []
+    for (a, r0, g0), (b, r1, g1) in itertools.pairwise(plan):
+        if a == b:  # no item starts here; some chunk has all items if none has a candidate
+            continue
+        # take, not [], for gathers: about half the time on CPU
+        # the chunk's rows i, each meeting the rows j in [run_first, run_first + run_len)
+        item = a + torch.repeat_interleave(n_i[a:b], output_size=r1 - r0)
+        i = first_i.take(item) + torch.arange(r0, r1, device=device) - rows_before.take(item)
+        self_item = is_self.take(item)
+        run_first = torch.where(self_item, i + 1, first_j.take(item))
+        run_len = torch.where(
+            self_item, first_i.take(item) + n_i.take(item) - 1 - i, n_j.take(item)
         )
-        centres.append(centre)
-        neighbours.append(order[first + rank_in_bin])
-    i = torch.cat(centres)
-    j = torch.cat(neighbours)
-    d2 = ((pos[j] - pos[i]) ** 2).sum(dim=1)
-    keep = (i != j) & (d2 < cutoff * cutoff)
-    return torch.stack([i[keep], j[keep]])
+        # the chunk's candidates: row r's run is at [run_start, run_start + run_len)
+        row = torch.repeat_interleave(run_len, output_size=g1 - g0)
+        run_start = run_len.cumsum(0) - run_len
+        j = (run_first - run_start).take(row) + torch.arange(g1 - g0, device=device)
+        i = i.take(row)
+        del row  # candidate-sized scratch is freed as soon as it is spent
+        d2 = torch.zeros(g1 - g0, dtype=positions.dtype, device=device)
+        for coordinate in sorted_positions:  # three axes, not points
+            delta = coordinate.take(j).sub_(coordinate.take(i))
+            d2.addcmul_(delta, delta)
+        close = d2 < cutoff2
+        del d2, delta
+        # both directions in one nonzero: index k < T is (i, j), T + k is (j, i)
+        chosen = torch.cat([close & is_centre.take(i), close & is_centre.take(j)])
+        chosen = chosen.nonzero().squeeze(1)
+        forward = chosen < g1 - g0  # sync above: the chunk's kept count
+        chosen = torch.where(forward, chosen, chosen - (g1 - g0))
+        i, j = i.take(chosen), j.take(chosen)
+        centre = torch.where(forward, i, j)
+        neighbour = torch.where(forward, j, i)
+        pieces.append(order.take(torch.stack([centre, neighbour])).to(index_dtype))
+    pairs = torch.empty(
+        (2, sum(piece.shape[1] for piece in pieces)), dtype=torch.int64, device=device
+    )
+    return torch.cat(pieces, dim=1, out=pairs)
+
+
+def _stencil_bins(
+    positions: torch.Tensor, cutoff: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Occupied bins of a cell list and their half-stencil neighbours (2 host syncs).
+
+    Parameters
+    ----------
+    positions : torch.Tensor
+        ``(n, 3)`` float64 positions in Å, at most ``8 n cutoff`` wide per axis.
+    cutoff : float
+        Search radius in Å; bins are cubes of edge just above it.
+
+    Returns
+    -------
+    order : torch.Tensor
+        ``(n,)`` rows sorted by bin.
+    starts, counts : torch.Tensor
+        ``(bins,)`` first sorted row and number of rows of each occupied bin.
+    near, found : torch.Tensor
+        ``(14, bins)`` the occupied bin at each offset of ``_HALF_STENCIL``,
+        valid where ``found``; ``found`` is false for a bin with itself when it
+        holds one row (no pair).
+    """
+    device = positions.device
+    # an edge a hair above the cutoff: rounding in the bin coordinates (relative
+    # 1e-16 of at most 8 n bins) can then never put a pair two bins apart
+    edge = cutoff * (1.0 + 1e-6)
+    cells = torch.floor((positions - positions.min(dim=0).values) / edge).to(torch.int64) + 1
+    span = cells.max(dim=0).values + 2  # an empty layer each side: cells +- 1 stay in [0, span)
+    # Keys in two levels, as x * span_y * span_z + ... could overflow int64
+    # (span < 8 n + 3 per axis): the (x, y) column first, then its rank among
+    # the occupied columns (< n) with z. Only occupied bins exist.
+    columns, column = torch.unique(cells[:, 0] * span[1] + cells[:, 1], return_inverse=True)
+    keys = column * span[2] + cells[:, 2]
+    order = torch.argsort(keys)
+    bin_keys, counts = torch.unique_consecutive(keys[order], return_counts=True)
+    # syncs above: the numbers of occupied columns and bins
+
+    # Each offset's neighbours: their column among the occupied ones, then their
+    # key among the occupied bins, by binary search. One offset at a time, from
+    # host constants: no copy, no sync, and (bins,)-sized scratch, not (bins, 14).
+    column_x, column_y = columns // span[1], columns % span[1]
+    bin_column, bin_z = bin_keys // span[2], bin_keys % span[2]
+    near = torch.empty((len(_HALF_STENCIL), bin_keys.shape[0]), dtype=torch.int64, device=device)
+    found = torch.empty(near.shape, dtype=torch.bool, device=device)
+    for offset, (dx, dy, dz) in enumerate(_HALF_STENCIL):
+        near_columns = (column_x + dx) * span[1] + column_y + dy
+        near_column = torch.searchsorted(columns, near_columns).clamp_(max=columns.shape[0] - 1)
+        column_found = (columns.take(near_column) == near_columns).take(bin_column)
+        near_keys = near_column.take(bin_column).mul_(span[2]).add_(bin_z + dz)
+        torch.searchsorted(bin_keys, near_keys, out=near[offset]).clamp_(max=near.shape[1] - 1)
+        torch.logical_and(
+            column_found, bin_keys.take(near[offset]) == near_keys, out=found[offset]
+        )
+    found[0] = counts > 1  # a bin holds pairs of its own from two rows on
+    return order, counts.cumsum(0) - counts, counts, near, found

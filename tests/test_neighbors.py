@@ -1,4 +1,4 @@
-"""Serial checks of the non-periodic full neighbour list against brute force."""
+"""Serial checks of the non-periodic full neighbour list against brute force and vesin."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from ase_shard.neighbors import _cell_list_pairs, close_gaps, neighbor_pairs
+from ase_shard import neighbors
+from ase_shard.neighbors import _cell_list_pairs, neighbor_pairs
 
 
 def _brute_force(points: np.ndarray, cutoff: float) -> np.ndarray:
@@ -36,40 +37,64 @@ def _cloud(kind: str, n: int, seed: int) -> np.ndarray:
     return np.column_stack([rng.uniform(-20, 20, (n, 2)), rng.normal(0, 0.05, n)])
 
 
-def _both_paths(points: np.ndarray, cutoff: float) -> dict[str, torch.Tensor]:
-    """The vesin path (CPU dispatch) and the torch cell list called directly."""
+def _both_paths(
+    points: np.ndarray, cutoff: float, n_centres: int | None = None
+) -> dict[str, torch.Tensor]:
+    """Pairs from vesin and from the torch cell list (run on the CPU)."""
     positions = torch.from_numpy(points)
-    paths = {"vesin": neighbor_pairs(positions, cutoff)}
-    if len(points):  # the cell list needs a point to anchor its bins
-        paths["cell_list"] = _cell_list_pairs(positions, cutoff)
-    return paths
+    return {
+        path: neighbor_pairs(positions, cutoff, n_centres, neighbor_list=path)
+        for path in ("vesin", "torch")
+    }
+
+
+def _centred(pairs: np.ndarray, n_centres: int) -> np.ndarray:
+    """Sorted ``(E, 2)`` pairs less those centred on a row ``>= n_centres``."""
+    return pairs[pairs[:, 0] < n_centres]
 
 
 @pytest.mark.parametrize("kind", ["uniform", "clusters", "sheet"])
 @pytest.mark.parametrize("n", [0, 1, 2, 50, 500])
 @pytest.mark.parametrize("cutoff", [0.7, 3.0, 500.0])
 def test_pairs_match_brute_force(kind: str, n: int, cutoff: float) -> None:
-    """Both paths give exactly the brute-force list, including a cutoff beyond the cloud."""
+    """Both paths give exactly the brute-force list, including a cutoff beyond the cloud,
+    and with centres restricted to the first rows just its pairs centred on them."""
     points = _cloud(kind, n, seed=n)
     expected = _brute_force(points, cutoff)
-    for name, pairs in _both_paths(points, cutoff).items():
-        got = _sorted_pairs(pairs)
-        np.testing.assert_array_equal(got, expected, err_msg=name)
+    for n_centres in (None, 0, n // 3, n):
+        want = expected if n_centres is None else _centred(expected, n_centres)
+        for name, pairs in _both_paths(points, cutoff, n_centres).items():
+            np.testing.assert_array_equal(_sorted_pairs(pairs), want, err_msg=name)
 
 
 @pytest.mark.parametrize("kind", ["uniform", "clusters", "sheet"])
 @pytest.mark.parametrize("slab", [7, 60])
 def test_slabs_give_the_same_pairs(kind: str, slab: int, monkeypatch) -> None:
     """Blocks beyond ``VESIN_SLAB`` points are searched by slabs: still exactly brute force,
-    ties at slab bounds included (a lattice has many equal coordinates)."""
-    from ase_shard import neighbors
-
+    ties at slab bounds included (a lattice has many equal coordinates), centres too."""
     monkeypatch.setattr(neighbors, "VESIN_SLAB", slab)
     lattice = np.stack(np.meshgrid(*[np.arange(5.0)] * 3), axis=-1).reshape(-1, 3) * 1.1
     for points in (_cloud(kind, 500, seed=3), lattice):
         for cutoff in (0.7, 1.2, 3.0):
-            got = _sorted_pairs(neighbor_pairs(torch.from_numpy(points), cutoff))
-            np.testing.assert_array_equal(got, _brute_force(points, cutoff))
+            expected = _brute_force(points, cutoff)
+            for n_centres in (None, 70):
+                got = _sorted_pairs(neighbor_pairs(torch.from_numpy(points), cutoff, n_centres))
+                want = expected if n_centres is None else _centred(expected, n_centres)
+                np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 300])
+def test_cell_list_chunks_give_the_same_pairs(chunk: int, monkeypatch) -> None:
+    """Candidates searched a chunk at a time, items straddling chunk bounds, are still
+    exactly brute force."""
+    monkeypatch.setattr(neighbors, "CELL_CHUNK", chunk)
+    monkeypatch.setattr(neighbors, "CELL_CHUNKS", 10_000)
+    points = _cloud("clusters", 400, seed=5)
+    expected = _brute_force(points, 2.0)
+    for n_centres in (None, 150):
+        pairs = neighbor_pairs(torch.from_numpy(points), 2.0, n_centres, neighbor_list="torch")
+        want = expected if n_centres is None else _centred(expected, n_centres)
+        np.testing.assert_array_equal(_sorted_pairs(pairs), want)
 
 
 @pytest.mark.parametrize("kind", ["uniform", "clusters"])
@@ -108,8 +133,9 @@ def test_float32_and_grad_inputs() -> None:
     points = _cloud("clusters", 200, seed=3).astype(np.float32)
     expected = _brute_force(points.astype(np.float64), 1.5)
     positions = torch.from_numpy(points).requires_grad_(True)
-    for pairs in (neighbor_pairs(positions, 1.5), _cell_list_pairs(positions, 1.5)):
-        np.testing.assert_array_equal(_sorted_pairs(pairs), expected)
+    for path in ("vesin", "torch"):
+        pairs = neighbor_pairs(positions, 1.5, neighbor_list=path)
+        np.testing.assert_array_equal(_sorted_pairs(pairs), expected, err_msg=path)
 
 
 def test_far_apart_groups() -> None:
@@ -119,8 +145,89 @@ def test_far_apart_groups() -> None:
     points[30:] += [1e9, -3e8, 5e6]  # a second group far away
     points[35:] += [0.0, 0.0, 1e9]
     expected = _brute_force(points, 2.5)
-    got = neighbor_pairs(torch.as_tensor(points), 2.5)
-    np.testing.assert_array_equal(_sorted_pairs(got), expected)
-    np.testing.assert_array_equal(
-        _sorted_pairs(_cell_list_pairs(close_gaps(torch.as_tensor(points), 2.5), 2.5)), expected
+    for name, pairs in _both_paths(points, 2.5).items():
+        np.testing.assert_array_equal(_sorted_pairs(pairs), expected, err_msg=name)
+
+
+def test_cell_list_keys_do_not_overflow() -> None:
+    """Groups 1e9 Å apart on every axis, gaps left open: one key of x, y and z bins would
+    need ~1e27 values; the two-level keys stay exact."""
+    rng = np.random.default_rng(6)
+    points = rng.uniform(0.0, 5.0, (60, 3)) + 1e9 * rng.integers(0, 2, (60, 3))
+    got = _cell_list_pairs(torch.from_numpy(points), 2.0, len(points))
+    np.testing.assert_array_equal(_sorted_pairs(got), _brute_force(points, 2.0))
+
+
+def _gas(n: int) -> np.ndarray:
+    """Uniform random points in a 30 Å box."""
+    return np.random.default_rng(7).uniform(0.0, 30.0, (n, 3))
+
+
+def _diagonal_chain(n: int) -> np.ndarray:
+    """Points 1 Å apart along the body diagonal: a dense grid would need ~n^3 bins."""
+    jitter = np.random.default_rng(8).normal(0.0, 0.05, (n, 3))
+    return np.arange(n)[:, None] * np.full(3, 1 / np.sqrt(3)) + jitter
+
+
+def _slab_with_vacuum(n: int) -> np.ndarray:
+    """A 10 Å slab and its image across 30 Å of vacuum, as a folded periodic image gives."""
+    slab = np.random.default_rng(9).uniform(0.0, [20.0, 20.0, 10.0], (n // 2, 3))
+    return np.concatenate([slab, slab + [0.0, 0.0, 40.0]])
+
+
+def _cluster_and_far_point(n: int) -> np.ndarray:
+    """A 3 Å Gaussian cluster with its middle row moved 1e9 Å away (none if ``n == 0``)."""
+    points = np.random.default_rng(10).normal(0.0, 3.0, (n, 3))
+    points[n // 2 : n // 2 + 1] = [1e9, -2e8, 3e7]
+    return points
+
+
+@pytest.mark.parametrize(
+    "geometry", [_gas, _diagonal_chain, _slab_with_vacuum, _cluster_and_far_point]
+)
+@pytest.mark.parametrize("n", [0, 1, 2_000])
+def test_torch_matches_vesin(geometry, n: int) -> None:
+    """The torch cell list finds vesin's pairs, all centres or the first third."""
+    points = geometry(n)
+    for n_centres in (None, n // 3):
+        paths = _both_paths(points, 3.0, n_centres)
+        np.testing.assert_array_equal(_sorted_pairs(paths["torch"]), _sorted_pairs(paths["vesin"]))
+        if n > 2:  # not a vacuous comparison
+            assert paths["vesin"].shape[1] > 0
+
+
+def test_default_is_vesin_on_cpu() -> None:
+    """CPU tensors go to vesin unchanged: the same pairs in the same order."""
+    positions = torch.from_numpy(_gas(500))
+    assert torch.equal(
+        neighbor_pairs(positions, 3.0), neighbor_pairs(positions, 3.0, None, "vesin")
     )
+
+
+def test_invalid_arguments() -> None:
+    """An unknown search, or centres beyond the rows, is a ValueError."""
+    positions = torch.from_numpy(_gas(10))
+    with pytest.raises(ValueError, match="neighbor_list"):
+        neighbor_pairs(positions, 3.0, neighbor_list="cuda")
+    for n_centres in (-1, 11):
+        with pytest.raises(ValueError, match="n_centres"):
+            neighbor_pairs(positions, 3.0, n_centres)
+
+
+@pytest.mark.timeout(120)
+def test_large_block_matches_vesin() -> None:
+    """256,000 rows of fcc Cu (3.61 Å, rattled) at EMT-like cutoff 5.5 Å: 13 M pairs,
+    the same set from both searches (the chunked path at scale). About 10 s."""
+    k = 40
+    basis = np.array([[0, 0, 0], [0, 0.5, 0.5], [0.5, 0, 0.5], [0.5, 0.5, 0]])
+    cells = np.stack(np.meshgrid(*[np.arange(k)] * 3, indexing="ij"), axis=-1).reshape(-1, 1, 3)
+    points = ((cells + basis) * 3.61).reshape(-1, 3)
+    points += np.random.default_rng(11).normal(0.0, 0.02, points.shape)
+    n = len(points)
+    keys = {}
+    for path in ("vesin", "torch"):
+        pairs = neighbor_pairs(torch.from_numpy(points), 5.5, neighbor_list=path).numpy()
+        keys[path] = np.sort(pairs[0] * n + pairs[1])
+        del pairs
+    assert len(keys["vesin"]) > 50 * n
+    np.testing.assert_array_equal(keys["torch"], keys["vesin"])

@@ -8,6 +8,7 @@ runs inductor. Runs at any rank count.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 import torch._dynamo.utils
 from oracles import relative_errors
@@ -16,6 +17,12 @@ from toy_models import ToyMessagePassing
 
 from ase_shard import ShardedCalculator
 from ase_shard.padding import Capacities
+
+
+@torch._dynamo.register_backend
+def failing_backend(graph, example_inputs):
+    """A compiler that always fails, as Triton or a C++ toolchain can on a new machine."""
+    raise RuntimeError("this backend always fails")
 
 
 def test_capacities_grow_geometrically() -> None:
@@ -50,3 +57,24 @@ def test_compiled_equals_eager_through_migration() -> None:
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert 1 <= graphs <= 2
     assert len(set(COMM.allgather(graphs))) == 1
+
+
+def test_a_backend_failure_runs_eagerly_with_a_warning() -> None:
+    """torch.compile falls back to eager (suppress_errors): counted, warned, still exact."""
+    torch._dynamo.reset()
+    atoms = random_gas((True, True, True), n_atoms=48)
+    model = ToyMessagePassing(num_layers=2)
+    eager = ShardedCalculator(model, min_distance=0)
+    compiled = ShardedCalculator(model, compile="failing_backend", min_distance=0)
+    with pytest.warns(RuntimeWarning, match="could not compile part of ToyMessagePassing"):
+        got = results(_attached(atoms, compiled))
+    errors = relative_errors(got, results(_attached(atoms, eager)))
+    assert all(err <= 1e-12 for err in errors.values()), errors
+    assert compiled.compile_fallbacks >= 1
+    assert eager.compile_fallbacks == 0
+
+
+def _attached(atoms, calc):
+    atoms = atoms.copy()
+    atoms.calc = calc
+    return atoms

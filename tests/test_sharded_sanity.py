@@ -275,3 +275,14 @@ def test_the_callers_model_is_not_moved_or_cast() -> None:
         assert tensor.dtype == before[name].dtype, name
         torch.testing.assert_close(tensor, before[name], rtol=0, atol=0, equal_nan=True)
     assert ShardedCalculator(model).model is model  # nothing to move: no copy
+
+
+@pytest.mark.parametrize("neighbor_list", ["vesin", "torch"])
+def test_either_neighbour_search_gives_ases_results(neighbor_list: str) -> None:
+    """The device path (torch cell list) runs on CPU too, with the same results."""
+    atoms = _rattled_cu(3)
+    atoms.calc = ShardedCalculator(EMT(), neighbor_list=neighbor_list)
+    errors = relative_errors(results(atoms), ase_results(AseEMT(), atoms))
+    assert max(errors.values()) <= 1e-10, errors
+    with pytest.raises(ValueError, match="neighbor_list must be one of"):
+        ShardedCalculator(EMT(), neighbor_list="kdtree")
