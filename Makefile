@@ -69,3 +69,19 @@ test: lint $(MACE_STAMP)
 		$(GUARD) 600 $(MACE_BIN)/mpirun --oversubscribe -n $$n $(MACE_BIN)/python -m pytest \
 			-q --with-mpi -p no:cacheprovider tests/test_sharded_mace.py; \
 	done
+
+# GPU readiness, the first command on a machine with GPUs: exactness against the CPU,
+# placement, syncs and copies per step, halo, compile and time per step, on 1 and 2 ranks
+# (docs/running.md); without CUDA it is a CPU dry run. The second run prints the first's
+# times next to its own.
+GPU_CHECK_RANKS ?= 1 2
+
+.PHONY: gpu-check
+gpu-check: $(STAMP)
+	rm -f $(GPU_CHECK_RANKS:%=gpu-check-%.json)
+	status=0; for n in $(GPU_CHECK_RANKS); do \
+		echo "== gpu-check under mpirun -n $$n"; \
+		$(GUARD) 900 $(MPIRUN) -n $$n $(BIN)/python scripts/gpu_check.py \
+			--json gpu-check-$$n.json \
+			--compare gpu-check-$(firstword $(GPU_CHECK_RANKS)).json || status=1; \
+	done; exit $$status
