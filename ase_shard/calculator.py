@@ -114,6 +114,9 @@ def place_rank(device: Any, comm: Comm) -> torch.device:
 def placed(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """``model`` on ``device`` in ``dtype``: a copy if that moves or casts it.
 
+    A model that cannot be copied (TorchScript functions inside) is moved in
+    place, with a warning.
+
     ``Module.to`` works in place, which would change the caller's model (and
     make a CPU reference evaluated after it run on the GPU).
     """
@@ -123,7 +126,16 @@ def placed(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> 
 
     if all(map(in_place, [*model.parameters(), *model.buffers()])):
         return model
-    return copy.deepcopy(model).to(device=device, dtype=dtype)
+    try:
+        model = copy.deepcopy(model)
+    except Exception as exc:  # TorchScript functions inside (SevenNet) cannot be copied
+        warnings.warn(
+            f"{type(model).__name__} cannot be copied ({exc}), so it is moved to {device} "
+            f"and cast to {dtype} in place: the caller's model changes too",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return model.to(device=device, dtype=dtype)
 
 
 def checked_device(device: Any) -> torch.device:
