@@ -41,6 +41,7 @@ from sharded import (
 from ase_shard import ShardedCalculator
 from ase_shard.calculator import SYNC_TOLERANCE
 from ase_shard.models import EMT
+from ase_shard.system import slice_bounds
 
 pytestmark = pytest.mark.timeout(120)
 LAST = COMM.size - 1
@@ -99,8 +100,10 @@ def test_round_off_divergence_is_resynchronised_from_rank_0() -> None:
     for step, field in enumerate(["positions", "cell", "positions"]):
         atoms.positions[step] += 0.01  # a reuse step for every rank
         if COMM.rank == LAST:
+            # an atom of the slice this rank checks at every call (system.check_slices)
+            row = slice_bounds(len(atoms), COMM.size, LAST).start if field == "positions" else 2
             array = atoms.positions if field == "positions" else atoms.cell.array
-            array[2, 1] += 0.5 * SYNC_TOLERANCE
+            array[row, 1] += 0.5 * SYNC_TOLERANCE
         rebuilds = calc.rebuilds
         forces = atoms.get_forces()
         assert calc.rebuilds == rebuilds + 1
@@ -120,7 +123,7 @@ def test_divergence_beyond_round_off_still_raises() -> None:
     atoms.get_forces()
     atoms.positions[0] += 0.01
     if COMM.rank == LAST:
-        atoms.positions[1, 0] += 1e-6
+        atoms.positions[slice_bounds(len(atoms), COMM.size, LAST).start, 0] += 1e-6
     with pytest.raises(ValueError, match=r"different Atoms.*positions.*by up to 1e-06 Å"):
         atoms.get_forces()
 
