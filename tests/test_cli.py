@@ -195,3 +195,28 @@ def test_md_under_mpirun_two_ranks() -> None:
     assert done.stdout.count(SUMMARY) == 1
     assert summary_field(done.stdout, "ranks") == "2"
     assert done.stderr.count("100%") == 1  # the progress lines come from rank 0 only
+
+
+def test_overlapping_atoms_under_mpirun_report_once(tmp_path: Path) -> None:
+    """Two atoms at one position: one error line from rank 0, exit 2, no traceback or abort."""
+    mpirun = Path(sys.executable).parent / "mpirun"
+    if not mpirun.exists():
+        pytest.skip(f"no {mpirun}")
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(3)
+    atoms.positions[4] = atoms.positions[9]
+    structure = tmp_path / "overlap.xyz"
+    write(structure, atoms)
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    command = [str(mpirun), "--oversubscribe", "-n", "2", sys.executable, "-m", "ase_shard.cli"]
+    command += ["md", str(structure), "--steps", "5"]
+    done = subprocess.run(
+        ["timeout", "-k", "5", "100", *command],
+        env=dict(env, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output
+    assert output.count("atoms 4 and 9 are 0.0000 Å apart, closer than min_distance") == 1
+    assert "Traceback" not in output and "MPI_ABORT" not in output
