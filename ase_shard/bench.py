@@ -425,7 +425,8 @@ class PeakMemory:
     ``ru_maxrss`` is a high-water mark over the process's life; on Linux it is
     reset at :meth:`start` (``/proc/self/clear_refs``), elsewhere a phase's
     peak includes every earlier phase (``reset`` is then false). On CUDA the
-    peak of ``torch.cuda.max_memory_allocated`` is reported too.
+    peak of ``torch.cuda.max_memory_allocated`` is reported too, and its rise
+    over what was allocated at :meth:`start` (torch's cache emptied first).
     """
 
     def __init__(self, device: torch.device):
@@ -433,16 +434,20 @@ class PeakMemory:
         self.device = device
         self.reset = False
         self.start_mb: float | None = None
+        self.cuda_start_mb = 0.0
 
     def start(self) -> None:
         _release_memory()
         self.reset = _reset_rss_peak()
         self.start_mb = _rss_mb()
         if self.cuda:
+            torch.cuda.empty_cache()  # the previous subject's cached blocks are not this one's
             torch.cuda.reset_peak_memory_stats(self.device)
+            self.cuda_start_mb = torch.cuda.memory_allocated(self.device) / 2**20
 
     def stop(self) -> dict:
-        """``peak_rss_mb``, ``start_rss_mb``, their difference and (CUDA) ``cuda_peak_mb``."""
+        """``peak_rss_mb``, ``start_rss_mb``, their difference and (CUDA) ``cuda_peak_mb``
+        and ``cuda_peak_delta_mb``."""
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         peak_mb = peak / (2**20 if platform.system() == "Darwin" else 2**10)
         out = {
@@ -453,6 +458,7 @@ class PeakMemory:
         }
         if self.cuda:
             out["cuda_peak_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
+            out["cuda_peak_delta_mb"] = out["cuda_peak_mb"] - self.cuda_start_mb
         return out
 
 
@@ -1016,9 +1022,13 @@ def _ratios(report: dict) -> dict:
             out["ase_over_sharded_1"] = paired_ratio(results, "ase", one, "reuse")
     if one is not None and size > 1:
         # what a first call (build + evaluation) adds to the process, and the whole process
-        for key, field in (("memory_ratio", "peak_rss_delta_mb"), ("rss_ratio", "peak_rss_mb")):
-            peaks = [m[field] for m in results["sharded"]["memory"]]
-            reference = results[one]["memory"][0][field]
+        for key, field in (
+            ("memory_ratio", "peak_rss_delta_mb"),
+            ("rss_ratio", "peak_rss_mb"),
+            ("cuda_memory_ratio", "cuda_peak_delta_mb"),  # GPU runs only
+        ):
+            peaks = [m.get(field) for m in results["sharded"]["memory"]]
+            reference = results[one]["memory"][0].get(field)
             if None not in peaks and reference:
                 out[key] = max(peaks) / reference
     return out
