@@ -218,3 +218,28 @@ def test_7net0_matches_sevennet_calculator(sevennet0) -> None:
     got = ase_results(ShardedCalculator(sevennet0), atoms)
     errors = relative_errors(got, ref)
     assert all(errors[key] <= F32_RTOL[key] for key in errors), errors
+
+
+def test_non_trainable_bessel_coefficients_follow_the_dtype() -> None:
+    """sevenn keeps them as a plain attribute; the adapter makes them move and cast."""
+    import sevenn._keys as KEY
+
+    from ase_shard.bench import random_sevennet_network
+
+    radial = {KEY.RADIAL_BASIS_NAME: "bessel", "bessel_basis_num": 8, "trainable_coeff": False}
+    config = {
+        KEY.RADIAL_BASIS: radial,
+        KEY.CONV_DENOMINATOR: 8.0,
+        KEY.SHIFT: [-2.5, -3.1, -3.7],
+        KEY.SCALE: [1.3, 0.7, 1.9],
+    }
+    network = random_sevennet_network(SPECIES, cutoff=3.5, channels=8, num_layers=2, config=config)
+    calc = ShardedCalculator(SevenNet(network), dtype=torch.float64)
+    floating = [
+        (f"{name}.{key}", value.dtype)
+        for name, module in calc.model.named_modules()
+        for key, value in [*vars(module).items(), *module._buffers.items()]
+        if isinstance(value, torch.Tensor) and value.is_floating_point()
+    ]
+    assert any(name.endswith("coeffs") for name, _ in floating)
+    assert all(dtype == torch.float64 for _, dtype in floating), floating

@@ -71,6 +71,21 @@ def _load_sevenn_model(model: Any) -> tuple[torch.nn.Module, dict | None]:
     )
 
 
+def _tensors_as_buffers(network: torch.nn.Module) -> None:
+    """Register the plain tensor attributes of ``network``'s modules as buffers.
+
+    sevenn keeps e.g. a non-trainable Bessel basis's coefficients as a plain
+    attribute, which ``Module.to`` neither moves nor casts: on a GPU the
+    forward would mix devices, in float64 it would use float32 coefficients.
+    Non-persistent, so the state dict (and a checkpoint) stays as it was.
+    """
+    for module in network.modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                delattr(module, name)
+                module.register_buffer(name, value, persistent=False)
+
+
 class SevenNet(torch.nn.Module):
     """A SevenNet potential (sevenn) following the ``ShardModel`` protocol.
 
@@ -116,6 +131,7 @@ class SevenNet(torch.nn.Module):
             raise ValueError("the SevenNet model's cutoff is not set")
         network.set_is_batch_data(False)
         network.eval()
+        _tensors_as_buffers(network)
         self.model = network
         self.cutoff = cutoff
         self.num_layers = sum(
