@@ -806,8 +806,7 @@ def run_benchmark(
 
     calc = ShardedCalculator(model, skin=settings.skin, dtype=dtype, **options)
     device, dtype = calc.device, calc.dtype
-    threads = comm.gather(torch.get_num_threads())
-    affinity = comm.gather(_cpus())
+    threads = _threads_and_cpus(comm)
     entries = [_Entry("sharded", _ShardedSubject(calc, atoms.copy()), everyone=True)]
     alone = None
     if comm.size > 1 and settings.serial_reference:
@@ -855,7 +854,7 @@ def run_benchmark(
             atoms,
             model,
             settings,
-            (threads, affinity),
+            threads,
             device,
             dtype,
             labels,
@@ -868,6 +867,12 @@ def run_benchmark(
     }
     report["ratios"] = _ratios(report)
     return report
+
+
+def _threads_and_cpus(comm: Comm) -> tuple[list[int], list[int]] | None:
+    """Every rank's torch threads and the CPUs its affinity allows (rank 0; ``None`` elsewhere)."""
+    threads, cpus = comm.gather(torch.get_num_threads()), comm.gather(_cpus())
+    return None if threads is None else (threads, cpus)
 
 
 def _report_header(
@@ -1212,8 +1217,7 @@ def run_framework(
     thermalize_momenta(atoms, temperature_K=settings.temperature, rng=rng)
     calc = ShardedCalculator(model, skin=settings.skin, dtype=dtype, **(settings.calculator or {}))
     calc.timer.synchronize = True
-    threads = comm.gather(torch.get_num_threads())
-    affinity = comm.gather(_cpus())
+    threads = _threads_and_cpus(comm)
     memory = PeakMemory(calc.device)
     memory.start()
     baseline = _Dynamics(atoms, ZeroCalculator(), settings.timestep)
@@ -1249,7 +1253,7 @@ def run_framework(
             atoms,
             model,
             settings,
-            (threads, affinity),
+            threads,
             calc.device,
             calc.dtype,
             labels,

@@ -703,10 +703,11 @@ class ShardedCalculator(Calculator):
                 differing.append(f"rank {rank}: {', '.join(fields)}")
                 fixable &= fields == ["cell"]
         if not differing:
-            differing = slice_disagreements(
+            slices = slice_disagreements(
                 [share[2] for share in shares], request.n_atoms, self._calls
             )
-            fixable = all(": positions of" in text for text in differing)
+            differing = [text for _, text in slices]
+            fixable = all(field == "positions" for field, _ in slices)
         if differing:
             self._settle("; ".join(differing), fixable, request)
         return bool(differing)

@@ -136,11 +136,14 @@ def slice_checksums(atoms: Atoms, slices: Sequence[int], size: int) -> tuple:
     )
 
 
-def slice_disagreements(views: Sequence[tuple], n_atoms: int, call: int) -> list[str]:
+def slice_disagreements(
+    views: Sequence[tuple], n_atoms: int, call: int
+) -> list[tuple[str, str]]:
     """What two ranks' checksums of the same slice disagree on.
 
     ``views[r]`` is rank ``r``'s :func:`slice_checksums` of its
-    :func:`check_slices`.
+    :func:`check_slices`. Returns ``(field, description)`` pairs, ``field``
+    being ``"positions"`` or ``"numbers"``.
     """
     size = len(views)
     found = []
@@ -151,6 +154,10 @@ def slice_disagreements(views: Sequence[tuple], n_atoms: int, call: int) -> list
         for field, a, b in zip(("positions", "numbers"), home, visiting, strict=True):
             if a != b:
                 found.append(
-                    f"ranks {index} and {visitor}: {field} of atoms {span.start}-{span.stop - 1}"
+                    (
+                        field,
+                        f"ranks {index} and {visitor}: {field} of atoms "
+                        f"{span.start}-{span.stop - 1}",
+                    )
                 )
     return found
