@@ -1,11 +1,12 @@
 """Neighbour pairs of a finite block of points (images already explicit).
 
 Each rank's block (owned rows + ghosts) carries its periodic images as rows,
-so the search is always non-periodic. CPU tensors go to ``vesin``; tensors on
-an accelerator use a torch cell list so they never leave the device
-(``neighbor_list`` picks either). The cell list waits on the device 6 times a
-call, plus once for every chunk of candidate pairs (at most 38 in all): 2 in
-:func:`close_gaps`, 4 to lay out its work; it copies nothing to the device.
+so the search is always non-periodic. CPU tensors go to a compiled cell list
+(:mod:`ase_shard.cell_list`, numba) or ``vesin``; tensors on an accelerator use
+a torch cell list so they never leave the device (``neighbor_list`` picks). The
+torch cell list waits on the device 6 times a call, plus once for every chunk of
+candidate pairs (at most 38 in all): 2 in :func:`close_gaps`, 4 to lay out its
+work; it copies nothing to the device.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import torch
 import torch.nn.functional as F
 import vesin
 
-NEIGHBOR_LISTS = ("auto", "vesin", "torch")
+from ase_shard.cell_list import cell_list_pairs, has_empty_slab
+
+NEIGHBOR_LISTS = ("auto", "numba", "vesin", "torch")
 
 
 def neighbor_pairs(
@@ -38,9 +41,10 @@ def neighbor_pairs(
         Only pairs centred on one of the first ``n_centres`` rows (a rank's owned
         rows): ``(i, j)`` is kept when ``i < n_centres``, whatever ``j``.
         Default: every row is a centre.
-    neighbor_list : {"auto", "vesin", "torch"}
-        The search: ``vesin`` (on the host), the torch cell list (on the
-        tensors' device), or ``auto``: vesin for CPU tensors, torch elsewhere.
+    neighbor_list : {"auto", "numba", "vesin", "torch"}
+        The search: the compiled cell list or ``vesin`` (both on the host), the
+        torch cell list (on the tensors' device), or ``auto``: numba for CPU
+        tensors, torch elsewhere.
 
     Returns
     -------
@@ -62,10 +66,15 @@ def neighbor_pairs(
         raise ValueError(f"n_centres must lie in [0, {n}], not {n_centres}")
     if n < 2 or n_centres == 0:
         return torch.zeros((2, 0), dtype=torch.int64, device=positions.device)
-    positions = close_gaps(positions.detach().to(torch.float64), cutoff)
+    positions = positions.detach().to(torch.float64)
     if neighbor_list == "torch" or (neighbor_list == "auto" and positions.device.type != "cpu"):
-        return _cell_list_pairs(positions, cutoff, n_centres)
-    return _vesin_pairs(positions.cpu(), cutoff, n_centres).to(positions.device)
+        return _cell_list_pairs(close_gaps(positions, cutoff), cutoff, n_centres)
+    points = positions.cpu().numpy()
+    if has_empty_slab(points, 4.0 * cutoff):  # the test of close_gaps, compiled
+        points = _narrow_gaps(torch.from_numpy(points), cutoff).numpy()
+    if neighbor_list == "vesin":
+        return torch.from_numpy(_vesin_pairs(points, cutoff, n_centres)).to(positions.device)
+    return torch.from_numpy(cell_list_pairs(points, cutoff, n_centres)).to(positions.device)
 
 
 def close_gaps(positions: torch.Tensor, cutoff: float) -> torch.Tensor:
@@ -78,6 +87,11 @@ def close_gaps(positions: torch.Tensor, cutoff: float) -> torch.Tensor:
     """
     if not _may_have_gaps(positions, cutoff):
         return positions
+    return _narrow_gaps(positions, cutoff)
+
+
+def _narrow_gaps(positions: torch.Tensor, cutoff: float) -> torch.Tensor:
+    """:func:`close_gaps` without the test for gaps."""
     order = torch.argsort(positions, dim=0)
     ordered = torch.gather(positions, 0, order)
     excess = (ordered.diff(dim=0) - 2.0 * cutoff).clamp(min=0.0)
@@ -111,14 +125,13 @@ def _may_have_gaps(positions: torch.Tensor, cutoff: float) -> bool:
 VESIN_SLAB = 100_000
 
 
-def _vesin_pairs(positions: torch.Tensor, cutoff: float, n_centres: int) -> torch.Tensor:
-    """``(2, E)`` int64 CPU list of pairs centred on the first ``n_centres`` rows, by vesin."""
-    points = positions.numpy()  # neighbor_pairs passes detached float64
+def _vesin_pairs(points: np.ndarray, cutoff: float, n_centres: int) -> np.ndarray:
+    """``(2, E)`` int64 list of pairs centred on the first ``n_centres`` rows, by vesin."""
     if len(points) <= VESIN_SLAB:
         pairs = _vesin_block(points, cutoff)
         if n_centres < len(points):
             pairs = pairs[:, pairs[0] < n_centres]
-        return torch.from_numpy(pairs)
+        return pairs
     # slabs along the longest axis, each searched with its neighbours within the
     # cutoff; a pair is kept by the slab that holds its centre
     # the longest axis of a sample: any axis gives the same pairs
@@ -132,7 +145,7 @@ def _vesin_pairs(positions: torch.Tensor, cutoff: float, n_centres: int) -> torc
         pairs = members[_vesin_block(points[members], cutoff)]
         centre_x = x[pairs[0]]
         found.append(pairs[:, (centre_x >= lo) & (centre_x < hi) & (pairs[0] < n_centres)])
-    return torch.from_numpy(np.concatenate(found, axis=1))
+    return np.concatenate(found, axis=1)
 
 
 def _vesin_block(points: np.ndarray, cutoff: float) -> np.ndarray:

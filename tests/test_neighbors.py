@@ -1,5 +1,6 @@
 """Serial checks of the non-periodic full neighbour list against brute force and vesin."""
 
+
 from __future__ import annotations
 
 import numpy as np
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from ase_shard import neighbors
-from ase_shard.neighbors import _cell_list_pairs, neighbor_pairs
+from ase_shard.cell_list import cell_list_pairs, has_empty_slab
+from ase_shard.neighbors import _cell_list_pairs, _may_have_gaps, neighbor_pairs
 
 
 def _brute_force(points: np.ndarray, cutoff: float) -> np.ndarray:
@@ -37,14 +39,16 @@ def _cloud(kind: str, n: int, seed: int) -> np.ndarray:
     return np.column_stack([rng.uniform(-20, 20, (n, 2)), rng.normal(0, 0.05, n)])
 
 
-def _both_paths(
+PATHS = ("numba", "vesin", "torch")
+
+
+def _all_paths(
     points: np.ndarray, cutoff: float, n_centres: int | None = None
 ) -> dict[str, torch.Tensor]:
-    """Pairs from vesin and from the torch cell list (run on the CPU)."""
+    """Pairs from the compiled cell list, vesin and the torch cell list (run on the CPU)."""
     positions = torch.from_numpy(points)
     return {
-        path: neighbor_pairs(positions, cutoff, n_centres, neighbor_list=path)
-        for path in ("vesin", "torch")
+        path: neighbor_pairs(positions, cutoff, n_centres, neighbor_list=path) for path in PATHS
     }
 
 
@@ -57,13 +61,13 @@ def _centred(pairs: np.ndarray, n_centres: int) -> np.ndarray:
 @pytest.mark.parametrize("n", [0, 1, 2, 50, 500])
 @pytest.mark.parametrize("cutoff", [0.7, 3.0, 500.0])
 def test_pairs_match_brute_force(kind: str, n: int, cutoff: float) -> None:
-    """Both paths give exactly the brute-force list, including a cutoff beyond the cloud,
+    """Every path gives exactly the brute-force list, including a cutoff beyond the cloud,
     and with centres restricted to the first rows just its pairs centred on them."""
     points = _cloud(kind, n, seed=n)
     expected = _brute_force(points, cutoff)
     for n_centres in (None, 0, n // 3, n):
         want = expected if n_centres is None else _centred(expected, n_centres)
-        for name, pairs in _both_paths(points, cutoff, n_centres).items():
+        for name, pairs in _all_paths(points, cutoff, n_centres).items():
             np.testing.assert_array_equal(_sorted_pairs(pairs), want, err_msg=name)
 
 
@@ -101,7 +105,7 @@ def test_cell_list_chunks_give_the_same_pairs(chunk: int, monkeypatch) -> None:
 def test_full_list_symmetric(kind: str) -> None:
     """Every (i, j) comes with (j, i); no self pairs; not empty."""
     points = _cloud(kind, 300, seed=1)
-    for name, pairs in _both_paths(points, 2.5).items():
+    for name, pairs in _all_paths(points, 2.5).items():
         ij = _sorted_pairs(pairs)
         assert len(ij) > 0, name
         assert np.all(ij[:, 0] != ij[:, 1]), name
@@ -112,7 +116,7 @@ def test_full_list_symmetric(kind: str) -> None:
 def test_cutoff_beyond_cloud_is_complete_graph() -> None:
     """A cutoff larger than the cloud gives all n (n - 1) ordered pairs."""
     points = _cloud("uniform", 40, seed=2)
-    for name, pairs in _both_paths(points, 100.0).items():
+    for name, pairs in _all_paths(points, 100.0).items():
         assert pairs.shape == (2, 40 * 39), name
 
 
@@ -124,7 +128,7 @@ def test_coincident_and_boundary_points() -> None:
     )
     expected = _brute_force(points, 2.0)
     assert [0, 2] not in expected.tolist() and [3, 4] in expected.tolist()
-    for name, pairs in _both_paths(points, 2.0).items():
+    for name, pairs in _all_paths(points, 2.0).items():
         np.testing.assert_array_equal(_sorted_pairs(pairs), expected, err_msg=name)
 
 
@@ -133,7 +137,7 @@ def test_float32_and_grad_inputs() -> None:
     points = _cloud("clusters", 200, seed=3).astype(np.float32)
     expected = _brute_force(points.astype(np.float64), 1.5)
     positions = torch.from_numpy(points).requires_grad_(True)
-    for path in ("vesin", "torch"):
+    for path in PATHS:
         pairs = neighbor_pairs(positions, 1.5, neighbor_list=path)
         np.testing.assert_array_equal(_sorted_pairs(pairs), expected, err_msg=path)
 
@@ -145,7 +149,7 @@ def test_far_apart_groups() -> None:
     points[30:] += [1e9, -3e8, 5e6]  # a second group far away
     points[35:] += [0.0, 0.0, 1e9]
     expected = _brute_force(points, 2.5)
-    for name, pairs in _both_paths(points, 2.5).items():
+    for name, pairs in _all_paths(points, 2.5).items():
         np.testing.assert_array_equal(_sorted_pairs(pairs), expected, err_msg=name)
 
 
@@ -156,6 +160,19 @@ def test_cell_list_keys_do_not_overflow() -> None:
     points = rng.uniform(0.0, 5.0, (60, 3)) + 1e9 * rng.integers(0, 2, (60, 3))
     got = _cell_list_pairs(torch.from_numpy(points), 2.0, len(points))
     np.testing.assert_array_equal(_sorted_pairs(got), _brute_force(points, 2.0))
+    # the compiled cell list widens its bins instead: a few bins, still exact
+    got = torch.from_numpy(cell_list_pairs(points, 2.0, len(points)))
+    np.testing.assert_array_equal(_sorted_pairs(got), _brute_force(points, 2.0))
+
+
+def test_dense_cluster_beyond_the_first_guess() -> None:
+    """A tight cluster in a wide, empty box holds far more pairs than its mean density
+    predicts: the compiled cell list searches again with room for all of them."""
+    points = np.random.default_rng(12).normal(0.0, 0.2, (400, 3))
+    points[0] = [300.0, 0.0, 0.0]
+    got = torch.from_numpy(cell_list_pairs(points, 1.5, len(points)))
+    assert got.shape[1] > 1024 + 1.5 * 400  # beyond what was allocated first
+    np.testing.assert_array_equal(_sorted_pairs(got), _brute_force(points, 1.5))
 
 
 def _gas(n: int) -> np.ndarray:
@@ -186,21 +203,38 @@ def _cluster_and_far_point(n: int) -> np.ndarray:
     "geometry", [_gas, _diagonal_chain, _slab_with_vacuum, _cluster_and_far_point]
 )
 @pytest.mark.parametrize("n", [0, 1, 2_000])
-def test_torch_matches_vesin(geometry, n: int) -> None:
-    """The torch cell list finds vesin's pairs, all centres or the first third."""
+def test_cell_lists_match_vesin(geometry, n: int) -> None:
+    """Both cell lists find vesin's pairs, all centres or the first third."""
     points = geometry(n)
     for n_centres in (None, n // 3):
-        paths = _both_paths(points, 3.0, n_centres)
-        np.testing.assert_array_equal(_sorted_pairs(paths["torch"]), _sorted_pairs(paths["vesin"]))
+        paths = _all_paths(points, 3.0, n_centres)
+        for path in ("numba", "torch"):
+            np.testing.assert_array_equal(
+                _sorted_pairs(paths[path]), _sorted_pairs(paths["vesin"]), err_msg=path
+            )
         if n > 2:  # not a vacuous comparison
             assert paths["vesin"].shape[1] > 0
 
 
-def test_default_is_vesin_on_cpu() -> None:
-    """CPU tensors go to vesin unchanged: the same pairs in the same order."""
+@pytest.mark.parametrize(
+    "geometry", [_gas, _diagonal_chain, _slab_with_vacuum, _cluster_and_far_point]
+)
+@pytest.mark.parametrize("n", [2, 2_000])
+@pytest.mark.parametrize("cutoff", [0.5, 3.0])
+def test_compiled_gap_test_agrees_with_torch(geometry, n: int, cutoff: float) -> None:
+    """The host paths' compiled test for empty slabs answers as the torch one does."""
+    points = geometry(n)
+    want = _may_have_gaps(torch.from_numpy(points), cutoff)
+    assert has_empty_slab(points, 4.0 * cutoff) == want
+    if geometry in (_slab_with_vacuum, _cluster_and_far_point) and n > 2:
+        assert want  # not vacuous: both kinds of answer are checked
+
+
+def test_default_is_numba_on_cpu() -> None:
+    """CPU tensors go to the compiled cell list unchanged: the same pairs in the same order."""
     positions = torch.from_numpy(_gas(500))
     assert torch.equal(
-        neighbor_pairs(positions, 3.0), neighbor_pairs(positions, 3.0, None, "vesin")
+        neighbor_pairs(positions, 3.0), neighbor_pairs(positions, 3.0, None, "numba")
     )
 
 
@@ -217,7 +251,7 @@ def test_invalid_arguments() -> None:
 @pytest.mark.timeout(120)
 def test_large_block_matches_vesin() -> None:
     """256,000 rows of fcc Cu (3.61 Å, rattled) at EMT-like cutoff 5.5 Å: 13 M pairs,
-    the same set from both searches (the chunked path at scale). About 10 s."""
+    the same set from every search (the torch path chunked at scale). About 15 s."""
     k = 40
     basis = np.array([[0, 0, 0], [0, 0.5, 0.5], [0.5, 0, 0.5], [0.5, 0.5, 0]])
     cells = np.stack(np.meshgrid(*[np.arange(k)] * 3, indexing="ij"), axis=-1).reshape(-1, 1, 3)
@@ -225,9 +259,10 @@ def test_large_block_matches_vesin() -> None:
     points += np.random.default_rng(11).normal(0.0, 0.02, points.shape)
     n = len(points)
     keys = {}
-    for path in ("vesin", "torch"):
+    for path in PATHS:
         pairs = neighbor_pairs(torch.from_numpy(points), 5.5, neighbor_list=path).numpy()
         keys[path] = np.sort(pairs[0] * n + pairs[1])
         del pairs
     assert len(keys["vesin"]) > 50 * n
     np.testing.assert_array_equal(keys["torch"], keys["vesin"])
+    np.testing.assert_array_equal(keys["numba"], keys["vesin"])

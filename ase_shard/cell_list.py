@@ -1,0 +1,148 @@
+"""A compiled cell list on the host: the CPU neighbour search (numba).
+
+One pass over the centres in bin order, so every centre's neighbouring bins are
+still in cache from the one before; no pair is ever held as a candidate. The
+bins are at least ``cutoff`` wide and number at most ``4 n + 64``, so memory is
+``O(n)`` whatever the extent (:func:`ase_shard.neighbors.close_gaps` keeps the
+extent ``O(n cutoff)``, so the bins stay close to ``cutoff`` wide). Compiled on
+first use and cached on disk by numba (a few seconds once per installation).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+# Bins per point at most: more bins than points only adds empty bins to visit.
+BINS_PER_POINT = 4
+
+
+def cell_list_pairs(points: np.ndarray, cutoff: float, n_centres: int) -> np.ndarray:
+    """``(2, E)`` int64 full list centred on the first ``n_centres`` rows (no periodicity).
+
+    Parameters
+    ----------
+    points : numpy.ndarray
+        ``(n, 3)`` float64 positions in Å, ``n >= 1``.
+    cutoff : float
+        Search radius in Å: pairs with ``|r_j - r_i| < cutoff``, ``i != j``.
+    n_centres : int
+        Only pairs whose centre ``i`` is below ``n_centres``.
+
+    Returns
+    -------
+    numpy.ndarray
+        Pairs ``(i, j)``, grouped by centre (centres in bin order).
+    """
+    points = np.ascontiguousarray(points, dtype=np.float64)
+    lo, hi = _bounds(points)
+    extent = hi - lo
+    # bins about one point each (cheapest to sweep), never narrower than the cutoff
+    width = max(float(cutoff), float(np.prod(extent + cutoff) / len(points)) ** (1 / 3))
+    shape = np.floor(extent / width).astype(np.int64) + 1
+    while np.prod(shape) > BINS_PER_POINT * len(points) + 64:
+        width *= 1.25
+        shape = np.floor(extent / width).astype(np.int64) + 1
+    # room for the pairs of a uniform block; a denser one is searched again, once
+    density = len(points) / np.prod(extent + cutoff)
+    capacity = int(1.5 * n_centres * density * 4.19 * cutoff**3) + 1024
+    capacity = min(capacity, n_centres * len(points))
+    while True:
+        pairs = np.empty((2, capacity), dtype=np.int64)
+        found = _sweep(points, n_centres, cutoff * cutoff, lo, width, shape, pairs)
+        if found <= capacity:
+            return pairs[:, :found]
+        capacity = found
+
+
+def has_empty_slab(points: np.ndarray, width: float) -> bool:
+    """Whether slabs of ``width`` Å tiling some axis from its lowest point leave one empty.
+
+    Also true when some axis needs more than ``4 n`` slabs (the points cannot fill them).
+    """
+    points = np.ascontiguousarray(points, dtype=np.float64)
+    return len(points) > 0 and bool(_has_empty_slab(points, float(width)))
+
+
+@numba.njit(cache=True)
+def _has_empty_slab(points, width):  # pragma: no cover - compiled
+    lo, hi = _bounds(points)
+    n = points.shape[0]
+    for a in range(3):
+        n_slabs = int((hi[a] - lo[a]) / width) + 1
+        if n_slabs > 4 * n:
+            return True
+        occupied = np.zeros(n_slabs, np.bool_)
+        for k in range(n):
+            occupied[int((points[k, a] - lo[a]) / width)] = True
+        for b in range(n_slabs):
+            if not occupied[b]:
+                return True
+    return False
+
+
+@numba.njit(cache=True)
+def _bounds(points):  # pragma: no cover - compiled
+    """Lowest and highest coordinate along each axis (numpy's axis-0 min is strided)."""
+    lo = points[0].copy()
+    hi = points[0].copy()
+    for k in range(1, points.shape[0]):
+        for a in range(3):
+            lo[a] = min(lo[a], points[k, a])
+            hi[a] = max(hi[a], points[k, a])
+    return lo, hi
+
+
+@numba.njit(cache=True)
+def _sweep(points, n_centres, cutoff2, lo, width, shape, pairs):  # pragma: no cover - compiled
+    """Write the pairs into ``pairs`` while they fit; return how many there are."""
+    n = points.shape[0]
+    s1 = shape[1]
+    s2 = shape[2]
+    # counting sort of the points into bins, with a sorted copy for locality
+    cell = np.empty(n, np.int64)
+    for k in range(n):
+        c0 = min(int((points[k, 0] - lo[0]) / width), shape[0] - 1)
+        c1 = min(int((points[k, 1] - lo[1]) / width), s1 - 1)
+        c2 = min(int((points[k, 2] - lo[2]) / width), s2 - 1)
+        cell[k] = (c0 * s1 + c1) * s2 + c2
+    start = np.zeros(shape[0] * s1 * s2 + 1, np.int64)
+    for k in range(n):
+        start[cell[k] + 1] += 1
+    for b in range(start.shape[0] - 1):
+        start[b + 1] += start[b]
+    fill = start[:-1].copy()
+    order = np.empty(n, np.int64)
+    sorted_points = np.empty_like(points)
+    for k in range(n):
+        q = fill[cell[k]]
+        order[q] = k
+        sorted_points[q] = points[k]
+        fill[cell[k]] += 1
+
+    capacity = pairs.shape[1]
+    found = 0
+    for qi in range(n):
+        i = order[qi]
+        if i >= n_centres:
+            continue
+        c = cell[i]
+        c0 = c // (s1 * s2)
+        c1 = (c // s2) % s1
+        c2 = c % s2
+        x = sorted_points[qi, 0]
+        y = sorted_points[qi, 1]
+        z = sorted_points[qi, 2]
+        for a in range(max(c0 - 1, 0), min(c0 + 2, shape[0])):
+            for b in range(max(c1 - 1, 0), min(c1 + 2, s1)):
+                row = (a * s1 + b) * s2
+                for q in range(start[row + max(c2 - 1, 0)], start[row + min(c2 + 2, s2)]):
+                    dx = sorted_points[q, 0] - x
+                    dy = sorted_points[q, 1] - y
+                    dz = sorted_points[q, 2] - z
+                    if dx * dx + dy * dy + dz * dz < cutoff2 and q != qi:
+                        if found < capacity:
+                            pairs[0, found] = i
+                            pairs[1, found] = order[q]
+                        found += 1
+    return found
