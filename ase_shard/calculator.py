@@ -316,10 +316,10 @@ class ShardedCalculator(Calculator):
         ``ValueError`` on every rank naming them: overlapping atoms in a
         structure, or an MD run that blew up. The default, 0.5 Å, is below
         every bond (H2: 0.74 Å); 0 turns the check off.
-    neighbor_list : {"auto", "vesin", "torch"}
-        The local neighbour search at rebuilds: ``vesin`` (CPU), ``torch`` (a
-        cell list that stays on the device), or ``auto``: vesin for CPU
-        tensors, torch on an accelerator.
+    neighbor_list : {"auto", "numba", "vesin", "torch"}
+        The local neighbour search at rebuilds: ``numba`` (a compiled cell
+        list, CPU), ``vesin`` (CPU), ``torch`` (a cell list that stays on the
+        device), or ``auto``: numba for CPU tensors, torch on an accelerator.
 
     Results (eV, eV/Å, eV/Å³) equal the serial evaluation to round-off and are
     bitwise identical on every rank. ``stress``/``stresses`` exist only when the
