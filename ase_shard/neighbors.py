@@ -18,8 +18,6 @@ import torch
 import torch.nn.functional as F
 import vesin
 
-from ase_shard.cell_list import cell_list_pairs, has_empty_slab
-
 NEIGHBOR_LISTS = ("auto", "numba", "vesin", "torch")
 
 
@@ -69,6 +67,9 @@ def neighbor_pairs(
     positions = positions.detach().to(torch.float64)
     if neighbor_list == "torch" or (neighbor_list == "auto" and positions.device.type != "cpu"):
         return _cell_list_pairs(close_gaps(positions, cutoff), cutoff, n_centres)
+    # numba loads its machinery (about 1 s) only in processes that search on the host
+    from ase_shard.cell_list import cell_list_pairs, has_empty_slab
+
     points = positions.cpu().numpy()
     if has_empty_slab(points, 4.0 * cutoff):  # the test of close_gaps, compiled
         points = _narrow_gaps(torch.from_numpy(points), cutoff).numpy()

@@ -1,12 +1,12 @@
-"""Time and peak memory of the two neighbour searches, torch cell list against vesin.
+"""Time and peak memory of the neighbour searches (numba and torch cell lists, vesin).
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/neighbor_bench.py time --sizes 100000 1000000
     OMP_NUM_THREADS=1 .venv/bin/python scripts/neighbor_bench.py memory --size 256000
 
 Points are fcc Cu (3.61 Å) rattled by 0.02 Å, so no distance ties the cutoff.
-``time`` alternates the two searches ``--repeat`` times on the same points and
-prints medians and their ratio (torch / vesin): on a shared machine the ratio
-of interleaved medians is what holds, not the seconds. ``memory`` runs each
+``time`` takes turns between the searches ``--repeat`` times on the same points
+and prints medians and their ratios to vesin: on a shared machine the ratio of
+interleaved medians is what holds, not the seconds. ``memory`` runs each
 search once in a fresh interpreter and prints the growth of its peak resident
 set over the set it had just before the call (``ru_maxrss``, which sees torch's
 allocations, unlike ``tracemalloc``).
@@ -25,7 +25,7 @@ import torch
 
 from ase_shard.neighbors import neighbor_pairs
 
-PATHS = ("vesin", "torch")
+PATHS = ("vesin", "numba", "torch")
 
 
 def fcc_copper(size: int, seed: int = 0) -> torch.Tensor:
@@ -39,24 +39,27 @@ def fcc_copper(size: int, seed: int = 0) -> torch.Tensor:
 
 
 def compare_times(sizes: list[int], cutoffs: list[float], repeat: int) -> None:
-    """Interleaved median seconds of both searches and their ratio."""
-    print(f"{'points':>9} {'cutoff':>6} {'pairs':>11} {'vesin s':>8} {'torch s':>8} {'ratio':>6}")
+    """Interleaved median seconds of every search and their ratios to vesin."""
+    header = "".join(f"{path + ' s':>9}" for path in PATHS)
+    ratios = "".join(f"{path + '/vesin':>12}" for path in PATHS[1:])
+    print(f"{'points':>9} {'cutoff':>6} {'pairs':>11}{header}{ratios}")
     for size in sizes:
         positions = fcc_copper(size)
         for cutoff in cutoffs:
             samples: dict[str, list[float]] = {path: [] for path in PATHS}
             for index in range(repeat):
-                # alternate which goes first, so neither always runs on a warmer cache
-                for path in PATHS if index % 2 == 0 else PATHS[::-1]:
+                # rotate which goes first, so none always runs on a warmer cache
+                for path in PATHS[index % 3 :] + PATHS[: index % 3]:
                     start = time.perf_counter()
                     pairs = neighbor_pairs(positions, cutoff, neighbor_list=path)
                     samples[path].append(time.perf_counter() - start)
                     del pairs
-            vesin_s, torch_s = (float(np.median(samples[path])) for path in PATHS)
+            seconds = {path: float(np.median(samples[path])) for path in PATHS}
             n_pairs = neighbor_pairs(positions, cutoff).shape[1]
             print(
-                f"{len(positions):>9} {cutoff:>6.2f} {n_pairs:>11} "
-                f"{vesin_s:>8.3f} {torch_s:>8.3f} {torch_s / vesin_s:>6.2f}"
+                f"{len(positions):>9} {cutoff:>6.2f} {n_pairs:>11}"
+                + "".join(f"{seconds[path]:>9.3f}" for path in PATHS)
+                + "".join(f"{seconds[path] / seconds['vesin']:>12.2f}" for path in PATHS[1:])
             )
 
 
@@ -99,7 +102,7 @@ def main() -> None:
     memory.add_argument("--cutoff", type=float, default=5.5, help="Å")
     memory.add_argument("--n-centres", type=int, default=None, help="default: every row")
     args = parser.parse_args()
-    torch.set_num_threads(1)  # comparable with single-threaded vesin; set OMP_NUM_THREADS=1 too
+    torch.set_num_threads(1)  # single-threaded like vesin and numba; set OMP_NUM_THREADS=1 too
     if args.mode == "time":
         compare_times(args.sizes, args.cutoffs, args.repeat)
     else:
