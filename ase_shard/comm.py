@@ -2,13 +2,15 @@
 
 ``Comm`` wraps an mpi4py communicator (or stands in for one rank when mpi4py
 is absent or the process was not started by an MPI launcher). Bulk data moves
-as numpy buffers (``Scatterv``/``Allgatherv``/``Alltoallv``); only small
-control messages are pickled. Every call's CPU time is added to
+as numpy buffers (``Scatterv``/``Allgatherv``/``Alltoallv``), and the halo's
+``Alltoallv`` as CUDA tensors where MPI is CUDA-aware (:func:`cuda_aware_mpi`);
+only small control messages are pickled. Every call's CPU time is added to
 ``Comm.mpi_cpu``, so phase timings can leave MPI waits out.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -50,6 +52,48 @@ def init_mpi() -> None:
             from mpi4py import MPI  # noqa: F401
         except ImportError:
             pass
+
+
+# "1" or "0": whether MPI takes CUDA device buffers, instead of asking the MPI library
+CUDA_AWARE_MPI_VARIABLE = "ASE_SHARD_CUDA_AWARE_MPI"
+
+
+def cuda_aware_mpi() -> bool:
+    """Whether MPI may be handed CUDA device buffers (CUDA-aware MPI).
+
+    ``ASE_SHARD_CUDA_AWARE_MPI=1`` or ``0`` decides when set. Otherwise the MPI
+    library is asked, once MPI is initialised, through
+    ``MPIX_Query_cuda_support()`` (Open MPI, MPICH and their derivatives;
+    mpi4py does not wrap it). ``False`` without mpi4py, before ``MPI_Init``,
+    and where the library has no such query.
+    """
+    setting = os.environ.get(CUDA_AWARE_MPI_VARIABLE, "").strip()
+    if setting:
+        if setting not in ("0", "1"):
+            raise ValueError(f"{CUDA_AWARE_MPI_VARIABLE} must be 0 or 1, not {setting!r}")
+        return setting == "1"
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized():
+        return False
+    return _query_cuda_support(mpi.__file__)
+
+
+@functools.cache
+def _query_cuda_support(extension: str) -> bool:
+    """``MPIX_Query_cuda_support()`` of the MPI library that mpi4py's ``extension`` links."""
+    import ctypes
+
+    try:
+        # a handle of the loaded extension also finds the symbols of the libmpi it
+        # links, whichever path that was loaded from (no second copy is loaded)
+        library = ctypes.CDLL(extension, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except (OSError, AttributeError):  # not loaded as a shared object; no RTLD_NOLOAD
+        return False
+    query = getattr(library, "MPIX_Query_cuda_support", None)
+    if query is None:
+        return False
+    query.restype, query.argtypes = ctypes.c_int, []
+    return bool(query())
 
 
 # Commands rank 0 broadcasts to serving ranks (worker and notebook modes).
@@ -192,23 +236,52 @@ class Comm:
         return recv
 
     def alltoallv_rows(
-        self, send: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray
-    ) -> np.ndarray:
+        self,
+        send: Any,
+        send_counts: np.ndarray,
+        recv_counts: np.ndarray,
+        out: Any = None,
+    ) -> Any:
         """Personalised all-to-all of rows (any dtype, any row shape).
 
-        ``send`` holds the rows for rank 0, then rank 1, ... (``send_counts``
-        of each); returns the rows received, grouped by sending rank.
+        Parameters
+        ----------
+        send : (n, ...) array
+            The rows for rank 0, then rank 1, ... (``send_counts`` of each). A
+            numpy array; with ``out``, also a C-contiguous torch tensor, which
+            mpi4py reads through DLPack (a CUDA tensor only where
+            :func:`cuda_aware_mpi`, after its stream is synchronised).
+        send_counts, recv_counts : (P,) int arrays
+            Rows sent to / received from each rank.
+        out : array, optional
+            Where the received rows go, so that repeated exchanges allocate
+            nothing: C-contiguous, of ``send``'s kind and dtype, with
+            ``sum(recv_counts)`` rows shaped like ``send``'s. Default: a new
+            numpy array.
+
+        Returns
+        -------
+        The rows received, grouped by sending rank (``out`` when given).
         """
-        send = np.ascontiguousarray(send)
-        recv = np.empty((int(np.sum(recv_counts)), *send.shape[1:]), dtype=send.dtype)
+        if out is None or isinstance(send, np.ndarray):
+            send = np.ascontiguousarray(send)
+        shape = (int(np.sum(recv_counts)), *send.shape[1:])
+        if out is None:
+            recv = np.empty(shape, dtype=send.dtype)
+        else:
+            _check_rows_buffer("send", send, send.shape, send.dtype)  # a tensor is taken as it is
+            _check_rows_buffer("out", out, shape, send.dtype)
+            recv = out
         if self.mpi is None:
             recv[...] = send
             return recv
+        from mpi4py import MPI
+
         # counted in bytes, so one call moves any dtype and feature shape
         with self._call():
             self.mpi.Alltoallv(
-                [_bytes(send), _byte_sizes(send, send_counts)],
-                [_bytes(recv), _byte_sizes(recv, recv_counts)],
+                [send, _byte_sizes(send, send_counts), MPI.BYTE],
+                [recv, _byte_sizes(recv, recv_counts), MPI.BYTE],
             )
         self.received_bytes += recv.nbytes - int(_byte_sizes(recv, recv_counts)[0][self.rank])
         return recv
@@ -355,6 +428,25 @@ def rebuild(summaries: Sequence[tuple]) -> BaseException:
 def _bytes(array: np.ndarray) -> np.ndarray:
     """The bytes of a C-contiguous array, as a flat uint8 view."""
     return array.reshape(-1).view(np.uint8)
+
+
+def _check_rows_buffer(name: str, array: Any, shape: tuple, dtype: Any) -> None:
+    """Raise ``ValueError`` unless ``array`` is a C-contiguous ``shape`` array of ``dtype``.
+
+    MPI reads and writes the raw bytes, so a buffer of another size, type or
+    layout would be read or filled wrongly rather than fail.
+    """
+    shape = tuple(int(n) for n in shape)
+    got = tuple(int(n) for n in array.shape)
+    contiguous = (
+        array.flags.c_contiguous if isinstance(array, np.ndarray) else array.is_contiguous()
+    )
+    if got != shape or array.dtype != dtype or not contiguous:
+        layout = "" if contiguous else " non-contiguous"
+        raise ValueError(
+            f"alltoallv_rows: {name} must be a C-contiguous {type(array).__name__} of shape "
+            f"{shape} and dtype {dtype}, got a{layout} one of shape {got} and dtype {array.dtype}"
+        )
 
 
 def _byte_sizes(array: np.ndarray, counts: Sequence[int]) -> tuple:

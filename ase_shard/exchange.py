@@ -2,7 +2,10 @@
 
 Forward copies every owned node's features into its ghost copies on other
 ranks; backward sums the gradients of those ghost copies back into the owner.
-Both directions are one ``Alltoallv`` of rows through host memory. The same
+Both directions are one ``Alltoallv`` of rows (:attr:`HaloExchange.transport`):
+CPU tensors in place, device tensors through host buffers that are allocated
+once and reused (:class:`StagingBuffers`, page-locked on CUDA), or handed to
+MPI directly where it is CUDA-aware. The same
 plan sums the ghost nodes' results (forces, virials) into their owners
 (:meth:`HaloExchange.sum_into_owned_columns`).
 
@@ -20,16 +23,101 @@ collectives would pair up wrongly and hang. Two rules make sure of it:
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 
 import numpy as np
 import torch
 
-from ase_shard.comm import Comm
+from ase_shard.comm import Comm, cuda_aware_mpi
 
 
 class PeerFailure(RuntimeError):
     """Another rank failed during a collective evaluation (its error is reported)."""
+
+
+TRANSPORTS = ("host", "pinned", "pageable", "device")
+
+
+def choose_transport(device: torch.device) -> str:
+    """How the halo rows of tensors on ``device`` reach MPI (see :class:`HaloExchange`)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return "host"
+    if device.type == "cuda":
+        return "device" if cuda_aware_mpi() else "pinned"
+    return "pageable"  # other accelerators: torch pins host memory for CUDA only
+
+
+class StagingBuffers:
+    """Host buffers that carry halo rows between a device and MPI, reused across exchanges.
+
+    One send and one receive buffer of bytes, allocated on first use and
+    replaced by a larger one only when an exchange needs more: the
+    exchanges of one plan (every layer, forward and backward, every step
+    until the next rebuild) allocate no host memory once each size has been
+    seen. Rows go in and out as ``(n, bytes per row)`` uint8 tensors.
+
+    Parameters
+    ----------
+    pin : bool
+        Page-locked buffers (needs CUDA): copies to and from the device run
+        asynchronously by DMA instead of through the driver's own pageable
+        bounce buffer.
+    """
+
+    def __init__(self, pin: bool):
+        self.pin = bool(pin)
+        self.send = torch.empty(0, dtype=torch.uint8, pin_memory=self.pin)
+        self.recv = torch.empty(0, dtype=torch.uint8, pin_memory=self.pin)
+        # recorded after each asynchronous copy out of ``recv`` and waited on before
+        # ``recv`` is written again (see ``to_device``); one event, re-recorded
+        self._recv_read: torch.cuda.Event | None = None
+
+    def to_host(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` copied into the send buffer; the copy, complete, as a view of it.
+
+        The returned view is valid until the next call.
+        """
+        self.send = _holding(self.send, rows.numel(), self.pin)
+        host = self.send[: rows.numel()].view(rows.shape)
+        if rows.numel():
+            host.copy_(rows, non_blocking=self.pin)
+            if self.pin:
+                # MPI reads ``host`` outside CUDA's stream order: wait for the copy, and
+                # with it the kernels that made ``rows``, on this stream only
+                torch.cuda.current_stream(rows.device).synchronize()
+        return host
+
+    def receive(self, shape: tuple[int, int]) -> torch.Tensor:
+        """A ``shape`` view of the receive buffer, free to be written.
+
+        Waits for the copy out of the previous view (``to_device``) first.
+        The view is valid until the next call.
+        """
+        if self._recv_read is not None:
+            self._recv_read.synchronize()
+        self.recv = _holding(self.recv, shape[0] * shape[1], self.pin)
+        return self.recv[: shape[0] * shape[1]].view(shape)
+
+    def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A new tensor on ``device`` holding ``host`` (a view of the receive buffer).
+
+        With pinned buffers the copy is asynchronous: it is still reading
+        ``host`` when this returns. Rather than wait for it here (a second
+        synchronisation per exchange), an event recorded after it is waited
+        on by the next :meth:`receive`, before MPI overwrites the buffer; by
+        then the copy has usually long finished, since the next exchange's
+        own synchronisation (``to_host``) covered it.
+        """
+        out = torch.empty(host.shape, dtype=host.dtype, device=device)
+        if host.numel():
+            out.copy_(host, non_blocking=self.pin)
+            if self.pin:
+                if self._recv_read is None:
+                    self._recv_read = torch.cuda.Event()
+                self._recv_read.record(torch.cuda.current_stream(out.device))
+        return out
 
 
 class HaloExchange:
@@ -50,6 +138,24 @@ class HaloExchange:
         Key under which the exchange is registered for its torch custom ops
         (``ase_shard::halo_exchange``). A compiled model specialises on it, so
         a calculator keeps one handle across rebuilds; default: a new one.
+    transport : {"host", "pinned", "pageable", "device"}, optional
+        How rows reach MPI, in :attr:`transport`; default:
+        :func:`choose_transport` of ``device``.
+
+    Attributes
+    ----------
+    transport : str
+        ``"host"``: CPU tensors, which MPI reads and writes in place (the
+        received rows land in a reused buffer). ``"pinned"``: CUDA tensors,
+        staged through reused page-locked host buffers: per exchange one
+        asynchronous copy each way and one synchronisation of the current
+        stream. ``"pageable"``: the same through ordinary host memory (other
+        accelerators). ``"device"``: CUDA tensors handed to MPI as they are,
+        where it is CUDA-aware (:func:`ase_shard.comm.cuda_aware_mpi`).
+    staging : StagingBuffers
+        The host buffers of ``"host"`` (receive only), ``"pinned"`` and
+        ``"pageable"``. A rebuild makes a new exchange and so new buffers;
+        pinned ones then come from torch's cache of page-locked blocks.
     """
 
     def __init__(
@@ -61,7 +167,14 @@ class HaloExchange:
         recv_counts: np.ndarray,
         device: torch.device,
         handle: int | None = None,
+        *,
+        transport: str | None = None,
     ):
+        transport = choose_transport(device) if transport is None else transport
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
+        self.transport = transport
+        self.staging = StagingBuffers(pin=transport == "pinned")
         self.handle = next(_HANDLES) if handle is None else int(handle)
         _EXCHANGES[self.handle] = self
         self.comm = comm
@@ -126,8 +239,32 @@ class HaloExchange:
         return owned.numpy()
 
     def _move(self, rows: torch.Tensor, send_counts, recv_counts) -> torch.Tensor:
-        moved = self.comm.alltoallv_rows(rows.detach().cpu().numpy(), send_counts, recv_counts)
-        return torch.from_numpy(moved).to(rows.device)
+        """The rows that the other ranks send for ``rows`` sent, grouped by rank, on its device.
+
+        With the ``"host"`` transport the result is a view of the reused
+        receive buffer, valid until the next exchange: callers copy it into
+        their own output (``torch.cat``, ``index_add``), so what the custom
+        ops return, and autograd keeps, never shares memory with a buffer.
+        """
+        send = _byte_rows(rows)
+        shape = (int(recv_counts.sum()), send.shape[1])
+        if self.transport == "device":
+            recv = send.new_empty(shape)
+            if rows.is_cuda:
+                # MPI reads ``send`` and writes ``recv`` outside CUDA's stream order: the
+                # kernels that made ``send`` and any that last used ``recv``'s memory must be
+                # done; the current stream is the one they ran on
+                torch.cuda.current_stream(rows.device).synchronize()
+            self.comm.alltoallv_rows(send, send_counts, recv_counts, out=recv)
+        elif self.transport == "host":
+            recv = self.staging.receive(shape)
+            self.comm.alltoallv_rows(send.numpy(), send_counts, recv_counts, out=recv.numpy())
+        else:
+            host = self.staging.to_host(send)
+            received = self.staging.receive(shape)
+            self.comm.alltoallv_rows(host.numpy(), send_counts, recv_counts, out=received.numpy())
+            recv = self.staging.to_device(received, rows.device)
+        return recv.view(rows.dtype).view(shape[0], *rows.shape[1:])
 
     def copy_to_ghosts(self, owned: torch.Tensor) -> torch.Tensor:
         self.vote()
@@ -142,6 +279,23 @@ class HaloExchange:
         ghosts = grad[self.owned_rows : self.owned_rows + self.n_ghosts]
         back = self._move(ghosts, self.recv_counts, self.send_counts)
         return grad[: self.owned_rows].index_add(0, self.send_index, back)
+
+
+def _byte_rows(rows: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``(n, ...)`` tensor's rows as an ``(n, bytes per row)`` uint8 view.
+
+    Bytes, so that every dtype (also those numpy lacks, e.g. bfloat16) takes
+    the same buffers and the same MPI call.
+    """
+    flat = rows.detach().reshape(rows.shape[0], math.prod(rows.shape[1:]))
+    return flat.view(torch.uint8)
+
+
+def _holding(buffer: torch.Tensor, nbytes: int, pin: bool) -> torch.Tensor:
+    """``buffer`` if it holds ``nbytes``, else a new one that does (sizes change at rebuilds)."""
+    if buffer.numel() >= nbytes:
+        return buffer
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
 
 # Custom ops rather than an autograd.Function: torch.compile treats them as

@@ -14,9 +14,27 @@ from sharded import COMM, assert_identical_on_all_ranks, random_gas, results
 from toy_models import ToyMessagePassing
 
 from ase_shard import ShardedCalculator
+from ase_shard.comm import cuda_aware_mpi
 from ase_shard.exchange import HaloExchange
 
 RTOL = 1e-10
+
+CUDA = torch.cuda.is_available()
+# (transport, device): every way rows can reach MPI that this machine has; on the CPU,
+# "pageable" runs the staging copies and "device" hands tensors to MPI through DLPack
+TRANSPORTS = [
+    ("host", "cpu"),
+    ("pageable", "cpu"),
+    ("device", "cpu"),
+    pytest.param("pinned", "cuda", marks=pytest.mark.skipif(not CUDA, reason="needs CUDA")),
+    pytest.param(
+        "device",
+        "cuda",
+        marks=pytest.mark.skipif(
+            not (CUDA and cuda_aware_mpi()), reason="needs CUDA and CUDA-aware MPI"
+        ),
+    ),
+]
 
 
 def random_plan(seed: int = 3):
@@ -43,7 +61,9 @@ def random_plan(seed: int = 3):
     return owned, sources
 
 
-def exchange_for(rank: int, owned: list[int], sources: list) -> HaloExchange:
+def exchange_for(
+    rank: int, owned: list[int], sources: list, transport: str = "host", device: str = "cpu"
+) -> HaloExchange:
     size = COMM.size
     send_index, send_counts = [], np.zeros(size, dtype=np.int64)
     for receiver in range(size):
@@ -51,8 +71,9 @@ def exchange_for(rank: int, owned: list[int], sources: list) -> HaloExchange:
         send_index += indices
         send_counts[receiver] = len(indices)
     recv_counts = np.bincount([owner for owner, _ in sources[rank]], minlength=size)
+    send_index = np.array(send_index, dtype=np.int64)
     return HaloExchange(
-        COMM, owned[rank], np.array(send_index, dtype=np.int64), send_counts, recv_counts, "cpu"
+        COMM, owned[rank], send_index, send_counts, recv_counts, device, transport=transport
     )
 
 
@@ -64,30 +85,38 @@ def all_features(owned: list[int], shape: tuple, dtype, seed: int = 5) -> list[t
     ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.int64])
-def test_forward_copies_owner_features(dtype) -> None:
+def expected_features(features: list[torch.Tensor], sources: list) -> torch.Tensor:
+    """This rank's owned features, then its ghosts' copied from their owners."""
+    mine = features[COMM.rank]
+    ghosts = [features[owner][index] for owner, index in sources[COMM.rank]]
+    return torch.cat([mine, torch.stack(ghosts) if ghosts else mine[:0]])
+
+
+@pytest.mark.parametrize(("transport", "device"), TRANSPORTS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.int64, torch.bfloat16])
+def test_forward_copies_owner_features(dtype, transport: str, device: str) -> None:
     owned, sources = random_plan()
-    exchange = exchange_for(COMM.rank, owned, sources)
+    exchange = exchange_for(COMM.rank, owned, sources, transport, device)
     features = all_features(owned, (2, 3), dtype)
     exchange.new_evaluation(torch.float64)
     with torch.no_grad():
-        got = exchange(features[COMM.rank])
-    mine = features[COMM.rank]
-    ghosts = [features[owner][index] for owner, index in sources[COMM.rank]]
-    expected = torch.cat([mine, torch.stack(ghosts) if ghosts else mine[:0]])
+        got = exchange(features[COMM.rank].to(device))
+    assert got.device.type == device
+    got = got.cpu()
     assert got.dtype == dtype and got.shape == (owned[COMM.rank] + len(sources[COMM.rank]), 2, 3)
-    assert torch.equal(got, expected)
+    assert torch.equal(got, expected_features(features, sources))
 
 
-def test_adjoint() -> None:
+@pytest.mark.parametrize(("transport", "device"), TRANSPORTS)
+def test_adjoint(transport: str, device: str) -> None:
     """<y, A x> = <A^T y, x> summed over ranks, with A^T from autograd."""
     owned, sources = random_plan(seed=11)
-    exchange = exchange_for(COMM.rank, owned, sources)
-    x = all_features(owned, (4,), torch.float64, seed=1)[COMM.rank].requires_grad_()
+    exchange = exchange_for(COMM.rank, owned, sources, transport, device)
+    x = all_features(owned, (4,), torch.float64, seed=1)[COMM.rank].to(device).requires_grad_()
     n_nodes = owned[COMM.rank] + len(sources[COMM.rank])
     y = torch.rand(
         (n_nodes, 4), dtype=torch.float64, generator=torch.Generator().manual_seed(COMM.rank)
-    )
+    ).to(device)
     token = exchange.new_evaluation(torch.float64)
     ax = exchange(x)
     (aty,) = torch.autograd.grad((ax * y).sum(), x)
@@ -95,6 +124,32 @@ def test_adjoint() -> None:
     totals = np.sum(COMM.allgather(local), axis=0)
     assert totals[0] == pytest.approx(totals[1], rel=1e-13)
     assert token.grad is None
+
+
+@pytest.mark.parametrize(("transport", "device"), TRANSPORTS)
+def test_results_outlive_the_next_exchange(transport: str, device: str) -> None:
+    """What exchanges return, forward and backward, stays as it was through the next ones.
+
+    The exchanges reuse their buffers, so a result that shared memory with one
+    would be overwritten by the next exchange while the model, or autograd,
+    still holds it.
+    """
+    owned, sources = random_plan(seed=7)
+    exchange = exchange_for(COMM.rank, owned, sources, transport, device)
+    held, copies = [], []
+    for seed in (1, 2):
+        features = all_features(owned, (3,), torch.float64, seed=seed)
+        x = features[COMM.rank].to(device).requires_grad_()
+        exchange.new_evaluation(torch.float64)
+        out = exchange(x)
+        assert torch.equal(out.detach().cpu(), expected_features(features, sources))
+        generator = torch.Generator().manual_seed(10 * seed + COMM.rank)
+        weight = torch.rand(out.shape, dtype=out.dtype, generator=generator).to(device)
+        (grad,) = torch.autograd.grad((out * weight).sum(), x)
+        held += [out, grad]
+        copies += [out.detach().clone(), grad.clone()]
+    for value, copy in zip(held, copies, strict=True):
+        assert torch.equal(value.detach(), copy)
 
 
 @pytest.mark.parametrize("partition", ["spatial", "contiguous"])
