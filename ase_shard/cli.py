@@ -587,7 +587,7 @@ def add_info(subparsers: argparse._SubParsersAction) -> None:
         "info",
         help="MPI library, ranks, hosts, devices, versions and models",
         description="What this job runs on: MPI library, ranks with their hosts and devices, "
-        "and the versions of torch, ase, numpy, vesin and mpi4py. Rank 0 prints.",
+        "and the versions of torch, ase, numpy, numba, vesin and mpi4py. Rank 0 prints.",
     )
     info.add_argument(
         "--models",
@@ -606,7 +606,7 @@ def run_info(args: argparse.Namespace) -> int:
     import torch
 
     from ase_shard.calculator import ShardedCalculator
-    from ase_shard.comm import Comm
+    from ase_shard.comm import Comm, cuda_aware_mpi
     from ase_shard.models import EMT
 
     comm = Comm()
@@ -622,10 +622,17 @@ def run_info(args: argparse.Namespace) -> int:
         else "no MPI (serial: not started by an MPI launcher)"
     )
     cuda = torch.cuda.is_available()
+    cuda_aware = cuda_aware_mpi()
     lines = [
         f"ase_shard      {ase_shard.__version__}",
         f"python         {platform.python_version()}",
         f"MPI            {library}",
+        "CUDA-aware MPI "
+        + (
+            "yes (GPU halo rows go to MPI from device memory)"
+            if cuda_aware
+            else "no (GPU halo rows go through pinned host buffers)"
+        ),
         f"ranks          {comm.size}",
     ]
     lines += [
@@ -637,7 +644,8 @@ def run_info(args: argparse.Namespace) -> int:
         f"CUDA           {'available' if cuda else 'not available'}"
         + (f", {torch.cuda.device_count()} device(s), CUDA {torch.version.cuda}" if cuda else ""),
     ]
-    lines += [f"{name:<15}{_version(name)}" for name in ("ase", "numpy", "vesin", "mpi4py")]
+    packages = ("ase", "numpy", "numba", "vesin", "mpi4py")
+    lines += [f"{name:<15}{_version(name)}" for name in packages]
     print("\n".join(lines), flush=True)
     return 0
 
