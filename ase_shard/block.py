@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ase_shard.exchange import HaloExchange
-from ase_shard.graph import LocalGraph
+from ase_shard.graph import Hops, LocalGraph
 from ase_shard.halo import RankRows
 from ase_shard.neighbors import neighbor_pairs
 from ase_shard.padding import Capacities, pad_graph
@@ -72,6 +72,56 @@ def sum_edge_gradients(
     return out.t()
 
 
+def hop_counts(
+    centre: torch.Tensor, neighbour: torch.Tensor, n_owned: int, n_nodes: int, depth: int
+) -> torch.Tensor:
+    """Message-passing hops from the owned nodes (the first ``n_owned``) to every node.
+
+    Messages flow from an edge's neighbour into its centre, so the neighbours
+    of edges centred ``k`` hops out are at most ``k + 1`` hops out.
+
+    Parameters
+    ----------
+    centre, neighbour : (E,) int64 tensors
+        The edges' ends.
+    n_owned, n_nodes : int
+    depth : int
+        Hops counted; nodes further out get ``depth + 1``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(n_nodes,)`` int64, in ``[0, depth + 1]``.
+    """
+    hops = torch.full((n_nodes,), depth + 1, dtype=torch.int64, device=centre.device)
+    hops[:n_owned] = 0
+    for hop in range(1, depth + 1):
+        reached = hops.index_select(0, centre) < hop
+        hops.scatter_reduce_(0, neighbour, torch.where(reached, hop, depth + 1), "amin")
+    return hops
+
+
+def kept_edges_on_host(keep: torch.Tensor, ends: np.ndarray) -> tuple[torch.Tensor, list[int]]:
+    """Indices of the kept edges, and how many are kept before each of ``ends``.
+
+    For a CPU tensor: no device to wait for, and numpy's ``flatnonzero`` is
+    many times faster than torch's ``nonzero`` there.
+    """
+    within = np.flatnonzero(keep.numpy())
+    return torch.from_numpy(within), np.searchsorted(within, ends).tolist()
+
+
+def kept_edges_on_device(keep: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """:func:`kept_edges_on_host` on an accelerator, with one copy to the host.
+
+    ``last`` holds ``ends - 1`` (every end positive). The copy brings the kept
+    counts; ``nonzero_static`` then finds the indices without another wait
+    (``nonzero`` would copy its own count to the host).
+    """
+    kept = keep.cumsum(0).index_select(0, last).tolist()
+    return torch.nonzero_static(keep, size=kept[-1]).squeeze(1), kept
+
+
 class LocalBlock:
     """A rank's nodes (owned, then ghosts) and edges valid within the skin.
 
@@ -93,14 +143,17 @@ class LocalBlock:
     device : torch.device
     exchange : HaloExchange, optional
         Per-layer halo: only edges centred on owned nodes are built and the
-        model refreshes ghost features through it.
+        model refreshes ghost features through it. Without (full halo) and with
+        several layers, the edges are sorted by their centres' hop counts from
+        the owned nodes, those centred ``num_layers`` or more hops out are left
+        out, and the model gets the counts (``LocalGraph.hops``).
     timer : PhaseTimer, optional
     compiled : callable, optional
         The compiled model; it is given graphs padded to :meth:`pad`'s capacities.
     min_distance : float
         Å; :meth:`evaluate` raises ``ValueError`` for a pair of atoms closer
         than this (only pairs within the model's cutoff are seen; 0: no check).
-    neighbor_list : {"auto", "vesin", "torch"}
+    neighbor_list : {"auto", "numba", "vesin", "torch"}
         The neighbour search (see :func:`ase_shard.neighbors.neighbor_pairs`).
     """
 
@@ -134,7 +187,7 @@ class LocalBlock:
         # pairs beyond the cutoff may be missing from the list on reuse steps
         self.min_distance = min(float(min_distance), float(model.cutoff))
         self.capacity: Capacities | None = None
-        self._shift_cell: torch.Tensor | None = None  # cell of the cached offsets
+        self._shift_cell: np.ndarray | None = None  # cell of the cached offsets
         self._result: torch.Tensor | None = None
         types = getattr(model, "atomic_types", None)
         self.fill_number = int(min(types)) if types else 1  # padding nodes' element
@@ -153,13 +206,66 @@ class LocalBlock:
                 n_centres=self.n_owned if owned_only else self.n_nodes,
                 neighbor_list=neighbor_list,
             )
+            neighbour = node[neighbour_row]
+            # the edges within the cutoff at a step are counted per hop level
+            # (what ends each level); one level when all are centred on owned nodes
+            ends = [centre.shape[0]]
+            self._hops: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None
+            if not owned_only:
+                ends, kept = self._count_hops(centre, neighbour, int(model.num_layers))
+                if kept is not None:
+                    centre, neighbour_row = centre[kept], neighbour_row[kept]
+                    neighbour = neighbour[kept]
+            self._level_ends = np.asarray(ends, dtype=np.int64)
+            self._level_last = torch.as_tensor(self._level_ends - 1, device=self.device)
             self.centre = centre
-            self.neighbour = node[neighbour_row]
+            self.neighbour = neighbour
             # cells between the neighbour's row and its node, kept for the few edges
             # that cross to a periodic image (24 bytes an edge for all would add up)
             shift = image_shift[neighbour_row] - image_shift[self.neighbour]
             self.shifted_edges = shift.any(dim=1).nonzero().squeeze(1)
             self.edge_shift = shift[self.shifted_edges]
+
+    def _count_hops(
+        self, centre: torch.Tensor, neighbour: torch.Tensor, depth: int
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """Full halo, several layers: hop counts of nodes and edges (``LocalGraph.hops``).
+
+        The node counts are kept for the steps in ``_hops``.
+
+        Parameters
+        ----------
+        centre, neighbour : (E,) int64 tensors
+            The nodes of the edges within ``cutoff + skin``.
+        depth : int
+            The model's number of layers.
+
+        Returns
+        -------
+        ends : list of int
+            ``ends[k]``: the edges centred within ``k`` hops, ``k < depth``.
+        kept : torch.Tensor or None
+            The edges to keep, by their centre's hop count (stable), those
+            centred ``depth`` or more hops out left out: they cannot reach an
+            owned energy. ``None``: all, in their order (all centred on owned nodes).
+        """
+        hops = hop_counts(centre, neighbour, self.n_owned, self.n_nodes, depth)
+        edge_hops = hops.index_select(0, centre)
+        # a rebuild may wait for the device: one copy of both counts
+        counts = torch.stack(
+            [torch.bincount(values, minlength=depth + 2) for values in (edge_hops, hops)]
+        )
+        edge_ends, node_ends = np.cumsum(counts.tolist(), axis=1).tolist()
+        rows = tuple(node_ends[: depth + 1])
+        order = torch.argsort(hops, stable=True)[: rows[-1]]
+        place = torch.full_like(hops, -1).index_copy_(
+            0, order, torch.arange(rows[-1], device=hops.device)
+        )
+        self._hops = (rows, order, place)
+        ends = edge_ends[:depth]
+        if ends[0] == centre.shape[0]:
+            return ends, None
+        return ends, torch.argsort(edge_hops, stable=True)[: ends[-1]]
 
     def needed(self) -> Capacities:
         """Sizes a padded graph needs until the next rebuild (one spare owned node)."""
@@ -171,18 +277,28 @@ class LocalBlock:
         if self.exchange is not None:
             self.exchange.pad(capacity.owned, capacity.ghosts)
 
-    def _offsets(self, cell: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _offsets(self, cell: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Cartesian offsets (Å) of the nodes' and the shifted edges' images."""
-        if self._shift_cell is None or not torch.equal(self._shift_cell, cell):
-            # they change only with the cell (barostats)
-            self._shift_cell = cell
-            self._shifts = (self.node_shift @ cell, self.edge_shift @ cell)
+        # they change only with the cell (barostats); compared on the host, where
+        # a comparison costs no wait for a device
+        if self._shift_cell is None or not np.array_equal(self._shift_cell, cell):
+            self._shift_cell = np.array(cell, dtype=np.float64)
+            on_device = torch.as_tensor(self._shift_cell, device=self.device)
+            self._shifts = (self.node_shift @ on_device, self.edge_shift @ on_device)
         return self._shifts
 
-    def node_positions(self, node_rows: np.ndarray, cell: torch.Tensor) -> torch.Tensor:
-        """Cartesian positions (Å, float64) of the nodes."""
-        rows = torch.as_tensor(node_rows, dtype=torch.float64, device=self.device)
-        return rows + self._offsets(cell)[0]
+    def _kept_edges(self, keep: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """Indices of the edges with ``keep`` set, and how many of them end each hop level.
+
+        The step's one wait for an accelerator: how many edges are within the
+        cutoff (per level, in the same copy). The listed order is kept, so the
+        kept edges stay sorted by hop count.
+        """
+        if not keep.shape[0]:
+            return keep.new_zeros(0, dtype=torch.int64), [0] * len(self._level_ends)
+        if keep.device.type == "cpu":
+            return kept_edges_on_host(keep, self._level_ends)
+        return kept_edges_on_device(keep, self._level_last)
 
     def evaluate(
         self,
@@ -219,12 +335,13 @@ class LocalBlock:
         """
         timer = self.timer
         with timer.phase("forward"):
-            cell = torch.as_tensor(cell, dtype=torch.float64, device=self.device)
-            positions = self.node_positions(node_rows, cell)
+            # copies from the host first: before any kernel is queued they wait for nothing
+            rows = torch.as_tensor(node_rows, dtype=torch.float64, device=self.device)
+            inputs, system = self._upload(inputs), self._upload(system)
+            positions = rows + self._offsets(cell)[0]
             vectors64 = self._edge_vectors(positions, cell)
             squared = (vectors64 * vectors64).sum(dim=1)
-            # the step's one device sync: how many edges are within the cutoff
-            within = (squared < float(self.model.cutoff) ** 2).nonzero().squeeze(1)
+            within, kept = self._kept_edges(squared < float(self.model.cutoff) ** 2)
             # read on the host with the result (see below), not by a sync of its own
             closest = squared.min() if squared.shape[0] else squared.new_full((), np.inf)
             i, j = self.centre.index_select(0, within), self.neighbour.index_select(0, within)
@@ -244,8 +361,9 @@ class LocalBlock:
                 vectors,
                 self.n_owned,
                 exchange,
-                self._tensors(inputs, dtype),
-                self._tensors(system, dtype),
+                {name: value.to(dtype) for name, value in inputs.items()},
+                {name: value.to(dtype) for name, value in system.items()},
+                None if self._hops is None else Hops(tuple(kept), *self._hops),
             )
             if self.capacity is None:
                 owned_energy = self.model(graph)[: self.n_owned]
@@ -281,7 +399,7 @@ class LocalBlock:
                 self._check_finite(owned_energy, grad, i, j)
         return host[:size].view(RESULT_COLUMNS, self.n_nodes).numpy()
 
-    def _edge_vectors(self, positions: torch.Tensor, cell: torch.Tensor) -> torch.Tensor:
+    def _edge_vectors(self, positions: torch.Tensor, cell: np.ndarray) -> torch.Tensor:
         """``(E, 3)`` float64 vectors (Å) of the listed edges, centre to neighbour."""
         # formed in place: the (E, 3) temporaries are the largest of a step
         vectors = positions.index_select(0, self.neighbour)
@@ -289,7 +407,7 @@ class LocalBlock:
         vectors.index_add_(0, self.shifted_edges, self._offsets(cell)[1])
         return vectors
 
-    def _check_distances(self, positions: torch.Tensor, cell: torch.Tensor) -> None:
+    def _check_distances(self, positions: torch.Tensor, cell: np.ndarray) -> None:
         """Raise ``ValueError`` naming the closest pair closer than ``min_distance``."""
         distance = torch.linalg.vector_norm(self._edge_vectors(positions, cell), dim=1)
         close = (distance < self.min_distance).nonzero().squeeze(1)
@@ -307,9 +425,10 @@ class LocalBlock:
             "allow it"
         )
 
-    def _tensors(self, values: dict | None, dtype) -> dict[str, torch.Tensor]:
+    def _upload(self, values: dict | None) -> dict[str, torch.Tensor]:
+        """Model inputs on the device, in float64 (cast once all copies are done)."""
         return {
-            name: torch.as_tensor(value, dtype=torch.float64, device=self.device).to(dtype)
+            name: torch.as_tensor(value, dtype=torch.float64, device=self.device)
             for name, value in (values or {}).items()
         }
 

@@ -10,6 +10,45 @@ from typing import Protocol, runtime_checkable
 import torch
 
 
+@dataclass(frozen=True)
+class Hops:
+    """Message-passing hops from the owned nodes to the nodes and edges of a full halo.
+
+    With them a model restricts each layer to what owned energies depend on,
+    using plain slices and precomputed indices. A node is one hop from node
+    ``i`` when an edge ``(i, j)`` brings its message into ``i``. Hops are
+    counted along the edges listed at the last rebuild (every pair within
+    ``cutoff + skin``), a superset of every later step's edges: a node is never
+    more hops away than counted, so the sets below hold everything owned
+    energies depend on (and maybe a little more, which changes only ghost
+    values that nothing reads). Only ``edges`` changes between rebuilds.
+
+    Attributes
+    ----------
+    edges : tuple of int
+        ``edges[k]``, ``k = 0 .. num_layers - 1``: the edges centred on nodes
+        within ``k`` hops are the first ``edges[k]`` columns of ``edge_index``
+        (edges come sorted by their centre's hop count). ``edges[-1]`` is every
+        edge: those centred ``num_layers`` or more hops out cannot reach an
+        owned energy and are not listed.
+    rows : tuple of int
+        ``rows[k]``, ``k = 0 .. num_layers``: how many nodes are within ``k``
+        hops (``rows[0]`` is ``n_owned``).
+    order : torch.Tensor
+        ``(rows[-1],)`` int64: the nodes within ``num_layers`` hops, by hop
+        count (stable: the owned nodes first, in their places), so
+        ``order[:rows[k]]`` are those within ``k`` hops.
+    place : torch.Tensor
+        ``(n,)`` int64: each node's index in ``order``; ``-1`` for nodes
+        further out, which no listed edge touches.
+    """
+
+    edges: tuple[int, ...]
+    rows: tuple[int, ...]
+    order: torch.Tensor
+    place: torch.Tensor
+
+
 @dataclass
 class LocalGraph:
     """One rank's block of atoms: owned nodes first, then ghost nodes.
@@ -22,8 +61,12 @@ class LocalGraph:
     numbers : torch.Tensor
         ``(n,)`` int64 atomic numbers of all local nodes.
     edge_index : torch.Tensor
-        ``(2, E)`` int64 directed edges ``(centre, neighbour)``; both directions
-        of every pair within ``cutoff`` are present (a full list).
+        ``(2, E)`` int64 directed edges ``(centre, neighbour)``, pairs within
+        ``cutoff``: every edge centred on an owned node and, with the full halo
+        and several layers, every edge centred on a ghost fewer than
+        ``num_layers`` hops from an owned node (see ``hops``); further edges
+        cannot change an owned energy. Between two such centres both
+        directions are present (a full list).
     edge_vectors : torch.Tensor
         ``(E, 3)`` vectors ``r_neighbour - r_centre`` in Å, periodic images
         already applied. Differentiable: forces and stress are derived from
@@ -44,6 +87,14 @@ class LocalGraph:
     system : dict of str to torch.Tensor
         The per-system values the model declares in ``system_inputs``, the
         same on every rank, in the model's dtype.
+    hops : Hops or None
+        With the full halo and several layers, how far nodes and edges are
+        from the owned nodes, for the model to skip work that cannot reach an
+        owned energy with plain slices, without waiting for a GPU. ``None``
+        where every edge is centred on an owned node (per-layer halo, one
+        layer), in the padded graphs of ``torch.compile`` (the counts change
+        every step) and in graphs built by hand; a model then computes on
+        every node and edge. Optional: a model may ignore it.
     """
 
     numbers: torch.Tensor
@@ -53,6 +104,7 @@ class LocalGraph:
     exchange: Callable[[torch.Tensor], torch.Tensor] | None = None
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     system: dict[str, torch.Tensor] = field(default_factory=dict)
+    hops: Hops | None = None
 
     @property
     def n_atoms(self) -> int:

@@ -63,7 +63,9 @@ def pad_graph(
 
     ``capacity.owned`` must exceed ``graph.n_owned`` (one padding node carries
     the padding edges). The returned graph's ``n_owned`` is ``capacity.owned``:
-    the caller keeps only the first real ``n_owned`` energies.
+    the caller keeps only the first real ``n_owned`` energies. It carries no
+    ``hops``: their counts change every step and would recompile the model,
+    which therefore computes on every node and edge.
     """
     n_owned, n = graph.n_owned, graph.n_atoms
     n_ghosts, n_edges = n - n_owned, graph.edge_index.shape[1]
@@ -96,4 +98,5 @@ def pad_graph(
         exchange=graph.exchange,
         inputs={name: nodes(value, 0.0) for name, value in graph.inputs.items()},
         system=graph.system,
+        hops=None,
     )

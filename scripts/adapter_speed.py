@@ -10,7 +10,7 @@ icosahedral cluster). It then evaluates the same sequence of geometries with
 - ``own``: the package's calculator (``SevenNetCalculator``, ``MACECalculator``,
   nequip's ``NequIPCalculator``), and
 - ``sharded``: ``ShardedCalculator(adapter, comm=MPI.COMM_SELF)`` (its default
-  halo),
+  halo, or ``--halo``),
 
 taking turns step by step (the order swaps every step), so that the changing
 load of a shared machine hits both alike. Every step moves each atom by a small
@@ -205,13 +205,14 @@ def measure(
     warmup: int,
     amplitude: float,
     rebuild: bool,
+    halo: str | None = None,
     seed: int = 0,
 ) -> dict:
     """Time ``own`` and ``sharded`` in turns on the same geometries."""
     start = make_system(system, ELEMENTS[family])
     own, sharded = start.copy(), start.copy()
     own.calc = subjects.own
-    sharded.calc = ShardedCalculator(subjects.adapter, comm=_serial_comm())
+    sharded.calc = ShardedCalculator(subjects.adapter, comm=_serial_comm(), halo=halo)
     before = sharded.calc.request_rebuild if rebuild else None
     rng = np.random.default_rng(seed)
     times: dict[str, list[float]] = {"own": [], "sharded": []}
@@ -285,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rebuild", action="store_true", help="sharded: rebuild the decomposition every call"
     )
+    parser.add_argument(
+        "--halo", choices=["layer", "full"], help="sharded: the halo (default: the calculator's)"
+    )
     parser.add_argument("--rtol", type=float, default=1e-10, help="agreement required")
     parser.add_argument("--json", help="write the measurements (per-step times too) here")
     args = parser.parse_args(argv)
@@ -308,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                     warmup=args.warmup,
                     amplitude=args.amplitude,
                     rebuild=args.rebuild,
+                    halo=args.halo,
                 )
                 rows.append(row)
                 print(format_table([row]).splitlines()[-1], flush=True)

@@ -17,7 +17,9 @@ pytest.importorskip("mace")  # before e3nn: mace allows e3nn's pickled constants
 
 from ase import Atoms  # noqa: E402
 from sharded import assert_identical_on_all_ranks, results  # noqa: E402
+from sync_count import assert_block_syncs_only, assert_split_equals_whole, reuse_step  # noqa: E402
 from test_mace import (  # noqa: E402
+    RTOL,
     SYSTEMS,
     assert_matches,
     mace_reference,
@@ -72,3 +74,19 @@ def test_few_atoms_and_an_isolated_one(model_and_file, halo: str) -> None:
     got = results(atoms)
     assert_matches(got, reference)
     assert_identical_on_all_ranks(got)
+
+
+@pytest.mark.parametrize("halo", ["layer", "full"])
+def test_no_sync_in_a_reuse_step(model_and_file, halo: str) -> None:
+    """The step waits for a GPU for the block's kept edges and results only."""
+    atoms = SYSTEMS["bulk"]()
+    atoms.calc = calc = ShardedCalculator(MACE(model_and_file[0]), halo=halo)
+    assert_block_syncs_only(reuse_step(atoms), calc._block)
+
+
+def test_split_full_halo_blocks_sum_to_one_block(model_and_file) -> None:
+    """Three ranks' full-halo blocks in one process add up to one rank's, with each
+    layer restricted by hop count (no sync) or whole (as compiled, without hops)."""
+    model = MACE(model_and_file[0])
+    atoms = SYSTEMS["cluster"]()
+    assert_split_equals_whole(model, atoms, RTOL)

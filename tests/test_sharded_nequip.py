@@ -20,6 +20,7 @@ pytest.importorskip("allegro")
 from ase import Atoms  # noqa: E402
 from oracles import ase_results  # noqa: E402
 from sharded import assert_identical_on_all_ranks  # noqa: E402
+from sync_count import assert_block_syncs_only, assert_split_equals_whole, reuse_step  # noqa: E402
 from test_nequip import (  # noqa: E402
     BUILDERS,
     RTOL64,
@@ -40,6 +41,13 @@ _REFERENCES: dict = {}
 _BUILDERS = {
     **{kind: build for kind, (build, _) in BUILDERS.items()},
     "nequip-3-resnet": lambda: build_nequip(num_layers=3, convnet_resnet=True),
+}
+
+
+# the adapter of each kind
+_ADAPTERS = {
+    **{kind: adapter for kind, (_, adapter) in BUILDERS.items()},
+    "nequip-3-resnet": NequIP,
 }
 
 
@@ -100,3 +108,24 @@ def test_layer_halo_with_empty_ranks() -> None:
     errors = relative_errors(got, ase_results(reference.calc, reference))
     assert all(err <= RTOL64 for err in errors.values()), errors
     assert_identical_on_all_ranks(got)
+
+
+@pytest.mark.parametrize(
+    "kind, halo",
+    [("nequip", "layer"), ("nequip", "full"), ("nequip-3-resnet", "full"), ("allegro", "full")],
+)
+def test_no_sync_in_a_reuse_step(kind: str, halo: str) -> None:
+    """The step waits for a GPU for the block's kept edges and results only."""
+    atoms = SYSTEMS["bulk"]()
+    adapter = _ADAPTERS[kind](_model(kind))
+    atoms.calc = calc = ShardedCalculator(adapter, halo=halo)
+    assert_block_syncs_only(reuse_step(atoms), calc._block)
+
+
+@pytest.mark.parametrize("kind", ["nequip-3-resnet", "allegro"])
+def test_split_full_halo_blocks_sum_to_one_block(kind: str) -> None:
+    """Three ranks' full-halo blocks in one process add up to one rank's, with each
+    layer restricted by hop count (no sync) or whole (as compiled, without hops)."""
+    model = _ADAPTERS[kind](_model(kind))
+    atoms = SYSTEMS["cluster"]()
+    assert_split_equals_whole(model, atoms, RTOL64)

@@ -16,6 +16,7 @@ pytest.importorskip("sevenn")
 
 from oracles import ase_results, relative_errors  # noqa: E402
 from sharded import assert_identical_on_all_ranks  # noqa: E402
+from sync_count import assert_block_syncs_only, assert_split_equals_whole, reuse_step  # noqa: E402
 from test_sevenn import (  # noqa: E402
     F32_RTOL,
     RTOL64,
@@ -81,3 +82,19 @@ def test_7net0_layer_halo_equals_full_halo(sevennet0) -> None:
     errors = relative_errors(got["layer"], got["full"])
     assert all(err <= RTOL64 for err in errors.values()), errors
     assert_identical_on_all_ranks(got["layer"])
+
+
+@pytest.mark.parametrize("halo", ["layer", "full"])
+def test_no_sync_in_a_reuse_step(tiny, halo: str) -> None:
+    """The step waits for a GPU for the block's kept edges and results only."""
+    atoms = tiny_systems()["bulk"]
+    atoms.calc = calc = ShardedCalculator(SevenNet(tiny), halo=halo)
+    assert_block_syncs_only(reuse_step(atoms), calc._block)
+
+
+def test_split_full_halo_blocks_sum_to_one_block(tiny) -> None:
+    """Three ranks' full-halo blocks in one process add up to one rank's, with each
+    layer restricted by hop count (no sync) or whole (as compiled, without hops)."""
+    model = SevenNet(tiny)
+    atoms = tiny_systems()["slab"]
+    assert_split_equals_whole(model, atoms, RTOL64)

@@ -157,10 +157,12 @@ class MACE(torch.nn.Module):
 
         Only the owned rows are computed; ghost rows are returned as zeros (the
         calculator discards them). With a full halo, layer ``k`` of ``L`` runs
-        only on the rows within ``L - k`` hops of an owned row, as the owned
-        energies need nothing else: a halo of ``L`` cutoffs is mostly skipped
-        in the last layers. With a per-layer halo every layer updates the owned
-        rows and the exchange fills in the ghosts.
+        only on the rows within ``L - k`` hops of an owned row (``graph.hops``:
+        prefixes of rows and edges sorted by hop count), as the owned energies
+        need nothing else: a halo of ``L`` cutoffs is mostly skipped in the last
+        layers. With a per-layer halo every layer updates the owned rows and the
+        exchange fills in the ghosts. Graphs without ``hops`` and exchange (the
+        padded graphs of ``torch.compile``) are computed whole.
         """
         model = self.model
         vectors_in = graph.edge_vectors
@@ -171,38 +173,29 @@ class MACE(torch.nn.Module):
         device = vectors_in.device
         n_layers = len(model.interactions)
         centre, neighbour = graph.edge_index
-
-        # hop distance of every row from the owned rows (n_layers + 1: unreached)
-        level = torch.full((n,), n_layers + 1, dtype=torch.int64, device=device)
-        level[:n_owned] = 0
-        if exchange is not None:
-            level[n_owned:] = 1  # ghosts: every layer reads them, the exchange writes them
+        hops = graph.hops
+        if hops is None:
+            # per-layer halo (every edge centred on an owned row; the exchange
+            # fills the ghosts), or no hop counts: every row and edge, rows in place
+            rows = [n_owned] + [n] * n_layers
+            edges = [centre.shape[0]] * n_layers
+            numbers = graph.numbers
         else:
-            reached = level == 0
-            for hop in range(1, n_layers + 1):
-                frontier = torch.zeros_like(reached)
-                frontier[neighbour[reached[centre]]] = True
-                level[frontier & ~reached] = hop
-                reached |= frontier
-        # rows ordered by level (owned rows keep their places), so the rows a
-        # layer needs are a prefix; edges ordered by the level of their centre
-        order = torch.argsort(level, stable=True)
-        new_index = torch.empty_like(order)
-        new_index[order] = torch.arange(n, device=device)
-        rows = torch.bincount(level, minlength=n_layers + 2).cumsum(0).tolist()
-        edge_level = level[centre]
-        edge_ids = torch.nonzero(edge_level < n_layers).squeeze(1)
-        edge_ids = edge_ids[torch.argsort(edge_level[edge_ids], stable=True)]
-        edges = torch.bincount(edge_level[edge_ids], minlength=n_layers).cumsum(0).tolist()
+            # rows ordered by hop count (owned rows keep their places), so the rows
+            # a layer needs are a prefix, as are its edges (sorted by their centres')
+            rows, edges = hops.rows, hops.edges
+            numbers = graph.numbers.index_select(0, hops.order)
+            centre = hops.place.index_select(0, centre)
+            neighbour = hops.place.index_select(0, neighbour)
 
         # MACE's edges run sender -> receiver with vectors r_receiver - r_sender;
         # the local graph's run centre <- neighbour with r_neighbour - r_centre.
-        edge_index = torch.stack([new_index[neighbour[edge_ids]], new_index[centre[edge_ids]]])
-        vectors = -vectors_in[edge_ids]
+        edge_index = torch.stack([neighbour, centre])
+        vectors = -vectors_in
         lengths = torch.linalg.norm(vectors, dim=-1, keepdim=True)
 
         n_rows = rows[n_layers]  # every row that sends a message to a needed row
-        element = self.z_to_index[graph.numbers[order[:n_rows]]]
+        element = self.z_to_index[numbers[:n_rows]]
         node_attrs = torch.nn.functional.one_hot(element, len(self.atomic_types))
         node_attrs = node_attrs.to(vectors.dtype)
         node_heads = torch.full((n_rows,), self.head_index, dtype=torch.int64, device=device)

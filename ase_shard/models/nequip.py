@@ -169,7 +169,8 @@ class NequIP(torch.nn.Module):
     keeps them float64 all the way, otherwise they pass through the model's
     dtype first.
     Per-edge-type cutoffs are honoured by pruning edges as nequip's
-    ``NeighborListPruneTransform`` does.
+    ``NeighborListPruneTransform`` does (with boolean masks, whose sizes a GPU
+    run waits for at every step).
     """
 
     def __init__(
@@ -249,40 +250,16 @@ class NequIP(torch.nn.Module):
         return super()._apply(fn, recurse)
 
     # -- evaluation -------------------------------------------------------
-    def _needed(self, edge_index: torch.Tensor, n: int, n_owned: int):
-        """Edges and rows that owned energies depend on.
-
-        With L layers the energy of an owned atom depends on edges centred on
-        atoms at most L-1 hops away and on the types of atoms at most L hops
-        away; the halo is wider (``cutoff * L + skin`` in space), so the rest
-        is dropped before nequip runs.
-        """
-        centre, neighbour = edge_index
-        reach = torch.zeros(n, dtype=torch.bool, device=edge_index.device)
-        reach[:n_owned] = True
-        for _ in range(self.num_layers - 1):
-            grown = reach.clone()
-            grown[neighbour[reach[centre]]] = True
-            reach = grown
-        edges = reach[centre]
-        rows = reach.clone()
-        rows[neighbour[edges]] = True
-        return edges, rows
-
     def forward(self, graph: LocalGraph) -> torch.Tensor:
         n, n_owned = graph.n_atoms, graph.n_owned
         types = self._type_of_z[graph.numbers]
         edge_index, vectors = graph.edge_index, graph.edge_vectors
-        kept = None
-        if graph.exchange is None:
-            # full halo: compact to the rows and edges owned energies depend on
-            # (owned rows stay first, order kept)
-            edges, rows = self._needed(edge_index, n, n_owned)
-            kept = torch.nonzero(rows).view(-1)
-            new_index = torch.full((n,), -1, dtype=torch.int64, device=types.device)
-            new_index[kept] = torch.arange(kept.numel(), device=types.device)
-            types, vectors = types[kept], vectors[edges]
-            edge_index = new_index[edge_index[:, edges]]
+        if graph.hops is not None:
+            # full halo: only the rows within num_layers hops (owned rows first, in
+            # place) reach an owned energy, the types of the furthest ones included;
+            # every listed edge is centred within num_layers - 1 hops
+            types = types.index_select(0, graph.hops.order)
+            edge_index = graph.hops.place[edge_index]
         data = {
             "atom_types": types,
             "edge_index": edge_index,
@@ -295,11 +272,8 @@ class NequIP(torch.nn.Module):
             # interaction blocks compute the owned ("local") nodes and the
             # hooks fetch the ghosts' features
             data[_LOCAL_NODES_KEY] = _Halo(graph.exchange, n_owned)
-        energies = self.energy_model(data)["atomic_energy"].view(-1)
-        if kept is None:
-            energies = energies[:n_owned]
-            return torch.cat([energies, energies.new_zeros(n - n_owned)])
-        return energies.new_zeros(n).index_copy(0, kept, energies)
+        energies = self.energy_model(data)["atomic_energy"].view(-1)[:n_owned]
+        return torch.cat([energies, energies.new_zeros(n - n_owned)])
 
 
 class Allegro(NequIP):

@@ -170,46 +170,40 @@ class SevenNet(torch.nn.Module):
         # an inference adapter: SevenNet's modules stay in eval mode
         return super().train(False)
 
-    def _edge_masks(self, graph: LocalGraph) -> list[torch.Tensor]:
-        """Per convolution, which edges can reach an owned atom's energy.
+    def _layer_edges(self, graph: LocalGraph) -> list[int]:
+        """Per convolution, how many edges (a prefix of ``edge_index``) it needs.
 
         Messages flow from ``edge_index[1]`` into the centre ``edge_index[0]``. The
         last convolution needs only edges centred on owned atoms, the one before also
-        those centred on their neighbours, and so on: edges centred further than
-        ``num_layers - 1 - k`` hops from every owned atom cannot change an owned
-        energy through convolution ``k``, so they are skipped. Owned energies and
-        their gradients are unchanged (the kept edges keep their order); ghost
-        energies, which the calculator discards, are not meaningful.
+        those centred on their neighbours, and so on: edges centred
+        ``num_layers - 1 - k`` or more hops from every owned atom cannot change an
+        owned energy through convolution ``k``, so the full halo's ``graph.hops``
+        (edges sorted by hop count) lets it skip them with a slice. Owned energies
+        and their gradients are unchanged; ghost energies, which the calculator
+        discards, are not meaningful. Without ``hops`` every convolution takes
+        every edge (with the per-layer halo all are centred on owned atoms).
         """
-        centre, neighbour = graph.edge_index
-        reach = torch.zeros(graph.n_atoms, dtype=torch.bool, device=centre.device)
-        reach[: graph.n_owned] = True
-        masks = [reach[centre]]
-        for _ in range(self.num_layers - 1):
-            reach = reach.clone()
-            reach[neighbour[masks[-1]]] = True
-            masks.append(reach[centre])
-        return masks[::-1]  # masks[k] for convolution k
+        if graph.hops is None:
+            return [graph.edge_index.shape[1]] * self.num_layers
+        return [graph.hops.edges[self.num_layers - 1 - k] for k in range(self.num_layers)]
 
     def forward(self, graph: LocalGraph) -> torch.Tensor:
         import sevenn._keys as KEY
 
         numbers = graph.numbers
-        masks = self._edge_masks(graph)
-        kept = masks[0].nonzero().squeeze(1)  # edges any convolution uses
-        edge_index = graph.edge_index.index_select(1, kept)
+        device = numbers.device
+        layer_edges = self._layer_edges(graph)
         data: dict[str, Any] = {
             # SevenNet's own preprocessing: atomic number -> one-hot index
             KEY.NODE_FEATURE: self.z_to_type[numbers],
             KEY.ATOMIC_NUMBERS: numbers,
-            KEY.EDGE_IDX: edge_index,
-            KEY.EDGE_VEC: graph.edge_vectors.index_select(0, kept),
-            KEY.NUM_ATOMS: torch.tensor(graph.n_atoms, device=numbers.device),
+            KEY.EDGE_IDX: graph.edge_index,
+            KEY.EDGE_VEC: graph.edge_vectors,
+            # filled on the device: a copy from the host would wait for queued work
+            KEY.NUM_ATOMS: torch.full((), graph.n_atoms, dtype=torch.int64, device=device),
         }
         if self.modal is not None:
-            data[KEY.MODAL_TYPE] = torch.tensor(
-                self.modal, dtype=torch.int64, device=numbers.device
-            )
+            data[KEY.MODAL_TYPE] = torch.full((), self.modal, dtype=torch.int64, device=device)
         edge_keys = (KEY.EDGE_IDX, KEY.EDGE_ATTR, KEY.EDGE_EMBEDDING)
         full_edges: dict[str, torch.Tensor] = {}
         modules = self.model._modules
@@ -224,10 +218,9 @@ class SevenNet(torch.nn.Module):
                     data[KEY.NODE_FEATURE] = graph.exchange(features[: graph.n_owned])
                 if not full_edges:
                     full_edges = {key: data[key] for key in edge_keys}
-                subset = masks[layer].index_select(0, kept).nonzero().squeeze(1)
                 for key in edge_keys:
                     dim = 1 if key == KEY.EDGE_IDX else 0
-                    data[key] = full_edges[key].index_select(dim, subset)
+                    data[key] = full_edges[key].narrow(dim, 0, layer_edges[layer])
                 layer += 1
             data = module(data)
             if kind == "OnehotEmbedding":
