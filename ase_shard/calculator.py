@@ -35,6 +35,7 @@ from ase.calculators.calculator import Calculator, all_changes
 
 from ase_shard.block import LocalBlock
 from ase_shard.comm import CALCULATE, CLOSE, Comm, describe, node_local_rank, rebuild
+from ase_shard.distributed import GLOBAL_ID, DistributedAtoms, migrate
 from ase_shard.exchange import HaloExchange, PeerFailure
 from ase_shard.graph import (
     ShardModel,
@@ -43,16 +44,20 @@ from ase_shard.graph import (
     receptive_field,
     supports_layer_halo,
 )
-from ase_shard.halo import RankRows, local_rows, rank_rows
+from ase_shard.halo import RankRows, fold_rows, images_near_domains, local_rows, rank_rows
 from ase_shard.inputs import ModelInputs, pack, unpack
 from ase_shard.neighbors import NEIGHBOR_LISTS
 from ase_shard.padding import Capacities
 from ase_shard.partition import (
+    CUT_BINS,
     PARTITIONS,
     FrameCoordinates,
+    balanced_bin_cuts,
+    bins_of,
     choose_grid,
     contiguous_owners,
     frame_coordinates,
+    grid_for_extent,
     spatial_owners,
 )
 from ase_shard.system import (
@@ -427,6 +432,8 @@ class ShardedCalculator(Calculator):
         self._copies: list[Atoms] = []  # this call's Atoms: the caller's and ours
         self._state: _Decomposition | None = None
         self._calls = 0  # calculations so far, the same count on every rank
+        # the last calculation's Atoms were DistributedAtoms (each rank holds its own)
+        self._distributed = False
         self.inputs = ModelInputs.of(model)
         self._inputs_digest: bytes | None = None  # of the inputs last calculated
 
@@ -489,13 +496,28 @@ class ShardedCalculator(Calculator):
         changes = Calculator.check_state(self, atoms, tol)
         if self.inputs and self._inputs_digest != self.inputs.digest(atoms, self.parameters):
             changes.append("model inputs")
+        if isinstance(atoms, DistributedAtoms) and self.comm.size > 1:
+            # each rank sees only its own atoms change: all recalculate, or none
+            self.comm.rendezvous(
+                self.timeout, "check their atoms too (do all ranks call the calculator?)"
+            )
+            changes = sorted(set().union(*self.comm.allgather(changes)))
         return changes
 
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes):
         # the caller's Atoms too, so a re-synchronisation (see _settle) reaches them
         self._copies = [copy for copy in (atoms,) if copy is not None]
         Calculator.calculate(self, atoms, properties, system_changes)
-        atoms = self.atoms
+        distributed = isinstance(self.atoms, DistributedAtoms)
+        if distributed != self._distributed:
+            self._distributed, self._state = distributed, None
+        if distributed:
+            if self._driven:
+                raise ValueError("DistributedAtoms need every rank to run the script (SPMD)")
+            # atoms migrate in place: the caller's (a driver's) atoms, not ASE's copy
+            atoms = self._copies[0] if self._copies else self.atoms
+        else:
+            atoms = self.atoms
         self._copies.append(atoms)
         if self.inputs and atoms is not None:
             self._inputs_digest = self.inputs.digest(atoms, self.parameters)
@@ -508,6 +530,8 @@ class ShardedCalculator(Calculator):
             )
         try:
             self._calculate(atoms, request)
+            if distributed:
+                self.atoms = atoms.copy()  # after migration: what the next call compares
         except BaseException as exc:
             # the next call starts from a fresh decomposition on every rank
             self._state = self._block = None
@@ -519,7 +543,7 @@ class ShardedCalculator(Calculator):
     def _request(self, atoms: Atoms, properties, system_changes) -> _Request:
         """What this call needs, from the rank(s) holding ``atoms``; never raises."""
         request = _Request(
-            n_atoms=len(atoms),
+            n_atoms=atoms.get_global_number_of_atoms(),
             cell=atoms.cell.array.copy(),
             pbc=atoms.pbc.copy(),
             changed=bool({"numbers", "pbc"} & set(system_changes)),
@@ -540,14 +564,20 @@ class ShardedCalculator(Calculator):
         comm, timer = self.comm, self.timer
         self._calls += 1
         reason, deformation = self._forced_rebuild(request)
+        if reason is None and self._distributed and len(atoms) != self._state.rows.n_owned:
+            reason = "local atoms changed"
         nodes = None
         if reason is None and request.error is None:
             with timer.phase("scatter"):
-                nodes = self._fetch_nodes(atoms, request)
+                # distributed: the owned rows only; ghosts come once all agreed on reuse
+                nodes = self._fetch_nodes(atoms, request, ghosts=not self._distributed)
         with timer.phase("validate"):
             reason = self._agree(atoms, request, reason, nodes, deformation)
         if reason is not None:
             nodes = self._rebuild(atoms, request, reason)
+        elif self._distributed:
+            with timer.phase("scatter"):
+                nodes = self._with_ghost_rows(nodes)
         state, block = self._state, self._block
 
         error, rows = None, None
@@ -614,7 +644,8 @@ class ShardedCalculator(Calculator):
         the same rebuild reason (``None``: reuse).
         """
         comm = self.comm
-        spmd = comm.size > 1 and not self._driven
+        distributed = self._distributed
+        spmd = comm.size > 1 and not self._driven and not distributed
         # in worker mode the request, and its error, came from rank 0
         error = request.error if comm.is_root or not self._driven else None
         own_reason, share = reason, None
@@ -623,6 +654,9 @@ class ShardedCalculator(Calculator):
             if nodes is not None:
                 self._validate_rows(nodes, request)
                 own_reason = self._displacement_reason(nodes, deformation)
+            elif distributed:
+                validate_positions(atoms.positions, atoms.arrays[GLOBAL_ID])
+                validate_numbers(atoms.numbers, getattr(self.model, "atomic_types", None))
             elif not self._driven:
                 # before a rebuild, each rank checks one slice of every atom
                 span = slice_bounds(len(atoms), comm.size, comm.rank)
@@ -630,7 +664,9 @@ class ShardedCalculator(Calculator):
                 validate_positions(atoms.positions[span], ids)
         except Exception as exc:
             error = error or describe(exc, comm.rank)
-        if spmd:
+        if distributed:
+            share = (request.n_atoms, checksum(request.cell), tuple(request.pbc.tolist()))
+        elif spmd:
             slices = check_slices(comm.size, comm.rank, self._calls)
             share = (
                 (request.n_atoms, checksum(request.cell), tuple(request.pbc.tolist())),
@@ -642,7 +678,13 @@ class ShardedCalculator(Calculator):
         if errors:
             raise rebuild(errors)
         reason = next((view[1] for view in views if view[1] is not None), None)
-        if spmd and reason is None:
+        if distributed:
+            if any(view[2] != views[0][2] for view in views):
+                raise ValueError(
+                    "the ranks' DistributedAtoms differ in their number of atoms, cell or pbc "
+                    f"(rank by rank: {[view[2] for view in views]}); change them on every rank"
+                )
+        elif spmd and reason is None:
             if self._compare_shares([view[2] for view in views], request):
                 # the rows fetched and the reuse vote were of the unsynchronised copies
                 reason = "positions re-synchronised from rank 0"
@@ -776,6 +818,8 @@ class ShardedCalculator(Calculator):
         self._state = self._block = None
         if self._driven:
             state = self._plan_from_root(atoms, request)
+        elif self._distributed:
+            state = self._plan_distributed(atoms, request)
         else:
             state = self._plan_locally(atoms, request)
         rows = state.rows
@@ -885,6 +929,105 @@ class ShardedCalculator(Calculator):
             order=_order(owners),
         )
 
+    def _plan_distributed(self, atoms: DistributedAtoms, request: _Request) -> _Decomposition:
+        """Distributed atoms: migrate to new owners, then ghosts from the ranks within reach.
+
+        Every rank holds only its own atoms. The domains are cut at common
+        histogram bins (one allreduce per cut axis), the atoms move to their
+        owners with all their arrays (:func:`ase_shard.distributed.migrate`),
+        each rank sends the images of its atoms that lie in another rank's
+        widened domain (LAMMPS's ``borders``), and the requests of the folded
+        ghost nodes go back to their owners.
+        """
+        comm, timer = self.comm, self.timer
+        with timer.phase("partition"):
+            owners = self._distributed_owners(atoms, request)
+            migrate(atoms, owners)
+            counts = comm.allgather(len(atoms))
+            if sum(counts) != request.n_atoms:
+                raise ValueError(
+                    f"the ranks hold {sum(counts)} atoms between them, not the "
+                    f"{request.n_atoms} that were distributed: atoms were added or deleted on "
+                    "some rank (not supported on DistributedAtoms)"
+                )
+        with timer.phase("halo"):
+            width, fold = self._halo_shape
+            coords = frame_coordinates(atoms.positions, request.cell, request.pbc)
+            box = np.full((2, 3), np.inf)
+            box[1] = -np.inf
+            if len(atoms):
+                box = np.stack([coords.s.min(axis=0), coords.s.max(axis=0)])
+            boxes = np.array(comm.allgather(box))
+            dest, place, image_shift = images_near_domains(
+                coords, request.pbc, boxes[:, 0], boxes[:, 1], comm.rank, width
+            )
+            ids = atoms.arrays[GLOBAL_ID]
+            described = np.column_stack([ids[place], image_shift, place, atoms.numbers[place]])
+            send_counts = np.bincount(dest, minlength=comm.size).astype(np.int64)
+            recv_counts = comm.alltoall_counts(send_counts)
+            ghosts = comm.alltoallv_rows(described.astype(np.int64), send_counts, recv_counts)
+            n_owned = len(atoms)
+            rows = fold_rows(
+                comm.rank,
+                comm.size,
+                np.concatenate([ids, ghosts[:, 0]]),
+                np.concatenate([coords.wrap_shift, ghosts[:, 1:4]]),
+                n_owned,
+                np.concatenate(
+                    [np.full(n_owned, comm.rank), np.repeat(np.arange(comm.size), recv_counts)]
+                ),
+                np.concatenate([np.arange(n_owned), ghosts[:, 4]]),
+                fold,
+            )
+            # LAMMPS's borders(): each owner learns which of its atoms the others need
+            rows.send_counts = comm.alltoall_counts(rows.recv_counts)
+            rows.send_index = comm.alltoallv_rows(
+                rows.requests, rows.recv_counts, rows.send_counts
+            )
+        # the ghost nodes' elements, by global id, from the rows that brought them
+        by_id = np.argsort(ghosts[:, 0], kind="stable")
+        ghost_ids = rows.ids[n_owned : rows.n_nodes]
+        found = by_id[np.searchsorted(ghosts[by_id, 0], ghost_ids)]
+        numbers = np.concatenate([atoms.numbers, ghosts[found, 5]])
+        return _Decomposition(
+            n_atoms=request.n_atoms, cell=request.cell, rows=rows, numbers=numbers
+        )
+
+    def _distributed_owners(self, atoms: DistributedAtoms, request: _Request) -> np.ndarray:
+        """New owner of each local atom: the same rule on every rank, from summed histograms.
+
+        ``spatial``: a ``px*py*pz`` grid of count-balanced boxes in frame
+        coordinates, cut axis by axis at the histogram bins that balance the
+        atoms (:func:`ase_shard.partition.balanced_bin_cuts`). ``contiguous``:
+        blocks of global ids.
+        """
+        comm = self.comm
+        if self.parameters["partition"] == "contiguous":
+            return contiguous_owners(request.n_atoms, comm.size)[atoms.arrays[GLOBAL_ID]]
+        coords = frame_coordinates(atoms.positions, request.cell, request.pbc)
+        bounds = np.array([np.inf] * 3 + [-np.inf] * 3)
+        if len(atoms):
+            bounds = np.concatenate([coords.s.min(axis=0), coords.s.max(axis=0)])
+        everywhere = np.array(comm.allgather(bounds))
+        lo, hi = everywhere[:, :3].min(axis=0), everywhere[:, 3:].max(axis=0)
+        span = np.where(np.isfinite(hi - lo), hi - lo, 0.0)
+        grid = self.parameters["grid"] or grid_for_extent(
+            np.where(request.pbc, coords.spacing, span), request.pbc, comm.size,
+            self._halo_shape[0],
+        )
+        group = np.zeros(len(atoms), dtype=np.int64)
+        n_groups = 1
+        for axis, parts in enumerate(grid):
+            if parts == 1:
+                continue
+            bins = bins_of(coords.s[:, axis], lo[axis], hi[axis])
+            histograms = np.bincount(group * CUT_BINS + bins, minlength=n_groups * CUT_BINS)
+            histograms = comm.allreduce_counts(histograms).reshape(n_groups, CUT_BINS)
+            cuts = balanced_bin_cuts(histograms, parts)
+            group = group * parts + (bins[:, None] >= cuts[group]).sum(axis=1)
+            n_groups *= parts
+        return group
+
     def _plan_from_root(self, atoms: Atoms | None, request: _Request) -> _Decomposition:
         """Worker mode: rank 0 lays out every rank and sends each its rows."""
         comm, timer = self.comm, self.timer
@@ -942,18 +1085,37 @@ class ShardedCalculator(Calculator):
 
     # -- 3. node rows and evaluation ---------------------------------------------------------
 
-    def _fetch_nodes(self, atoms: Atoms | None, request: _Request) -> np.ndarray:
+    def _fetch_nodes(
+        self, atoms: Atoms | None, request: _Request, ghosts: bool = True
+    ) -> np.ndarray:
         """This rank's node rows: positions (Å), then the per-atom model inputs.
 
-        SPMD: read from this rank's own ``atoms``. Worker mode: rank 0 sends
-        each rank its rows (one ``Scatterv``).
+        SPMD: read from this rank's own ``atoms``. Distributed atoms: the
+        owned rows are the local atoms, the ghost rows come from their owners
+        (with ``ghosts``). Worker mode: rank 0 sends each rank its rows (one
+        ``Scatterv``).
         """
         state = self._state
+        if self._distributed:
+            owned = self._node_rows(atoms, slice(None))
+            return self._with_ghost_rows(owned) if ghosts else owned
         if not self._driven:
             return self._node_rows(atoms, state.node_ids)
         width = 3 + sum(int(np.prod(s, dtype=np.int64)) for s in request.input_shapes.values())
         send = self._node_rows(atoms, state.root_nodes) if self.comm.is_root else None
         return self.comm.scatter_rows(send, state.node_counts, (width,), np.float64)
+
+    def _with_ghost_rows(self, owned: np.ndarray) -> np.ndarray:
+        """Distributed atoms: the owned node rows, then the ghost nodes' from their owners.
+
+        One ``Alltoallv`` (LAMMPS's forward communication); the ghosts'
+        image shifts are added in the block.
+        """
+        exchange = self._state.exchange
+        ghosts = self.comm.alltoallv_rows(
+            owned[exchange.send_rows.numpy()], exchange.send_counts, exchange.recv_counts
+        )
+        return np.concatenate([owned, ghosts])
 
     def _node_rows(self, atoms: Atoms, ids: np.ndarray | slice) -> np.ndarray:
         """Positions and packed per-atom inputs of the atoms ``ids``."""
@@ -990,7 +1152,10 @@ class ShardedCalculator(Calculator):
         if wanted:
             selected = columns[[row for _, rows in wanted for row in rows]]
             owned = state.exchange.sum_into_owned_columns(selected)
-            values = collect(np.ascontiguousarray(owned.T), state.counts[:, 1])
+            # distributed atoms keep their own results, in their own order
+            values = owned.T if self._distributed else collect(
+                np.ascontiguousarray(owned.T), state.counts[:, 1]
+            )
         if atoms is None:
             return
         totals = totals.sum(axis=0)
@@ -1001,7 +1166,7 @@ class ShardedCalculator(Calculator):
         for name, rows in wanted:
             part = values[:, start : start + len(rows)]
             start += len(rows)
-            if state.order is None:
+            if state.order is None or self._distributed:
                 result = part.copy()
             else:
                 result = np.empty_like(part)

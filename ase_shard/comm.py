@@ -147,12 +147,12 @@ class Comm:
         finally:
             self.mpi_cpu += time.process_time() - start
 
-    def bcast(self, obj: Any) -> Any:
-        """Broadcast a small picklable object from rank 0."""
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        """Broadcast a small picklable object from ``root``."""
         if self.mpi is None:
             return obj
         with self._call():
-            return self.mpi.bcast(obj, root=0)
+            return self.mpi.bcast(obj, root=root)
 
     def allgather(self, obj: Any) -> list:
         """Every rank's small picklable object, in rank order."""
@@ -167,6 +167,16 @@ class Comm:
             return [obj]
         with self._call():
             return self.mpi.gather(obj, root=0)
+
+    def allreduce_counts(self, counts: np.ndarray) -> np.ndarray:
+        """Element-wise sum of every rank's ``counts`` (int64; exact, so the same everywhere)."""
+        counts = np.ascontiguousarray(counts, dtype=np.int64)
+        if self.mpi is None:
+            return counts.copy()
+        total = np.empty_like(counts)
+        with self._call():
+            self.mpi.Allreduce(counts, total)
+        return total
 
     def alltoall_counts(self, counts: np.ndarray) -> np.ndarray:
         """``counts[r]`` goes to rank ``r``; returns what each rank sent here."""
@@ -193,32 +203,41 @@ class Comm:
         self.received_bytes += recv.nbytes - rows.nbytes
         return recv
 
-    def gather_rows(self, rows: np.ndarray, counts: Sequence[int]) -> np.ndarray | None:
-        """Every rank's ``rows`` concatenated in rank order on rank 0 (``None`` elsewhere).
+    def gather_rows(
+        self, rows: np.ndarray, counts: Sequence[int], root: int = 0
+    ) -> np.ndarray | None:
+        """Every rank's ``rows`` concatenated in rank order on ``root`` (``None`` elsewhere).
 
-        ``counts`` (rows per rank) is needed on rank 0 only.
+        ``counts`` (rows per rank) is needed on ``root`` only.
         """
         rows = np.ascontiguousarray(rows)
         if self.mpi is None:
             return rows
         recv = None
-        if self.is_root:
+        if self.rank == root:
             recv = np.empty((int(np.sum(counts)), *rows.shape[1:]), dtype=rows.dtype)
         with self._call():
-            if self.is_root:
-                self.mpi.Gatherv(_bytes(rows), [_bytes(recv), _byte_sizes(recv, counts)], root=0)
+            if self.rank == root:
+                self.mpi.Gatherv(
+                    _bytes(rows), [_bytes(recv), _byte_sizes(recv, counts)], root=root
+                )
             else:
-                self.mpi.Gatherv(_bytes(rows), None, root=0)
-        if self.is_root:
+                self.mpi.Gatherv(_bytes(rows), None, root=root)
+        if self.rank == root:
             self.received_bytes += recv.nbytes - rows.nbytes
         return recv
 
     def scatter_rows(
-        self, rows: np.ndarray | None, counts: Sequence[int], row_shape: tuple, dtype
+        self,
+        rows: np.ndarray | None,
+        counts: Sequence[int],
+        row_shape: tuple,
+        dtype,
+        root: int = 0,
     ) -> np.ndarray:
-        """Rank 0 sends rank ``r`` its block of ``counts[r]`` consecutive ``rows``.
+        """``root`` sends rank ``r`` its block of ``counts[r]`` consecutive ``rows``.
 
-        ``rows`` (rank 0 only) holds rank 0's rows, then rank 1's, ...; every
+        ``rows`` (``root`` only) holds rank 0's rows, then rank 1's, ...; every
         rank passes ``counts`` (rows per rank), ``row_shape`` and ``dtype``.
         """
         recv = np.empty((int(counts[self.rank]), *row_shape), dtype=dtype)
@@ -226,12 +245,12 @@ class Comm:
             recv[...] = rows
             return recv
         send = None
-        if self.is_root:
+        if self.rank == root:
             rows = np.ascontiguousarray(rows, dtype=dtype)
             send = [_bytes(rows), _byte_sizes(rows, counts)]
         with self._call():
-            self.mpi.Scatterv(send, _bytes(recv), root=0)
-        if not self.is_root:
+            self.mpi.Scatterv(send, _bytes(recv), root=root)
+        if self.rank != root:
             self.received_bytes += recv.nbytes
         return recv
 

@@ -219,7 +219,9 @@ def _rows_of(
         [np.zeros((n_owned, 3), dtype=np.int64), np.take(images, found_image[ghost], axis=0)]
     )
     image_shift += wrap_shift[ids]
-    return _fold(rank, n_ranks, ids, image_shift, n_owned, owners, position, fold_foreign)
+    return fold_rows(
+        rank, n_ranks, ids, image_shift, n_owned, owners[ids], position[ids], fold_foreign
+    )
 
 
 def _by_owner(owners: np.ndarray, n_ranks: int) -> tuple[np.ndarray, np.ndarray]:
@@ -377,40 +379,114 @@ def _cell_counts(extent: np.ndarray, width: np.ndarray, limit: int) -> np.ndarra
     return n.astype(np.int64)
 
 
-def _fold(
+def fold_rows(
     rank: int,
     n_ranks: int,
     ids: np.ndarray,
     image_shift: np.ndarray,
     n_owned: int,
-    owners: np.ndarray,
-    position: np.ndarray,
+    row_owner: np.ndarray,
+    row_place: np.ndarray,
     fold_foreign: bool,
 ) -> RankRows:
-    """Reorder one rank's rows as owned, ghost nodes, folded images; note the requests."""
+    """Order one rank's rows as owned, ghost nodes, folded images; note the requests.
+
+    Parameters
+    ----------
+    rank, n_ranks : int
+    ids : (n,) int array
+        Global atom of every row; the first ``n_owned`` are the owned atoms.
+    image_shift : (n, 3) int array
+    n_owned : int
+    row_owner, row_place : (n,) int arrays
+        Owner rank of every row's atom, and the atom's place among its
+        owner's owned atoms.
+    fold_foreign : bool
+        See :func:`rank_rows`.
+    """
     ghost = np.arange(n_owned, len(ids))
-    foreign = ghost[owners[ids[ghost]] != rank]
+    foreign = ghost[row_owner[ghost] != rank]
     if fold_foreign:
         _, first = np.unique(ids[foreign], return_index=True)
         foreign = foreign[first]
     # ghost nodes grouped by owner rank, so one exchange receives them in order
-    foreign = foreign[np.lexsort((ids[foreign], owners[ids[foreign]]))]
+    foreign = foreign[np.lexsort((ids[foreign], row_owner[foreign]))]
     n_nodes = n_owned + len(foreign)
     is_node = np.zeros(len(ids), dtype=bool)
     is_node[:n_owned] = True
     is_node[foreign] = True
     order = np.concatenate([np.arange(n_owned), foreign, np.flatnonzero(~is_node)])
     ids, image_shift = ids[order], image_shift[order]
+    row_owner, row_place = row_owner[order], row_place[order]
 
     node = np.arange(len(ids), dtype=np.int64)
     folded = ids[n_nodes:]
-    mine = owners[folded] == rank
-    node[n_nodes:][mine] = position[folded[mine]]
+    mine = row_owner[n_nodes:] == rank
+    node[n_nodes:][mine] = row_place[n_nodes:][mine]
     ghost_ids = ids[n_owned:n_nodes]
     by_id = np.argsort(ghost_ids)
     node[n_nodes:][~mine] = n_owned + by_id[np.searchsorted(ghost_ids[by_id], folded[~mine])]
-    recv_counts = np.bincount(owners[ghost_ids], minlength=n_ranks)
-    return RankRows(ids, image_shift, n_owned, node, n_nodes, recv_counts, position[ghost_ids])
+    recv_counts = np.bincount(row_owner[n_owned:n_nodes], minlength=n_ranks)
+    return RankRows(
+        ids, image_shift, n_owned, node, n_nodes, recv_counts, row_place[n_owned:n_nodes]
+    )
+
+
+def images_near_domains(
+    coords: FrameCoordinates,
+    pbc: np.ndarray,
+    lo: np.ndarray,
+    hi: np.ndarray,
+    rank: int,
+    halo_width: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The images of this rank's atoms that other ranks need as ghosts (distributed atoms).
+
+    The send side of :func:`local_rows` when each rank holds only its own
+    atoms: every image of an own atom inside another rank's widened domain,
+    and the periodic images of own atoms inside this rank's own.
+
+    Parameters
+    ----------
+    coords : FrameCoordinates
+        This rank's atoms in the frame.
+    pbc : (3,) bool
+    lo, hi : (P, 3) float
+        Every rank's domain (the frame box of its atoms; ``inf``/``-inf``
+        for a rank that owns nothing).
+    rank : int
+    halo_width : float
+        Å.
+
+    Returns
+    -------
+    dest : (m,) int64
+        Rank that needs each image, ascending.
+    place : (m,) int64
+        The image's atom among this rank's atoms.
+    image_shift : (m, 3) int64
+        Cells from the atom's position to the image (wrap included).
+    """
+    s = np.ascontiguousarray(coords.s.T)
+    width = np.where(pbc, halo_width / coords.spacing, halo_width)
+    dest, place, image_shift = [], [], []
+    if s.shape[1]:
+        own_lo, own_hi = s.min(axis=1), s.max(axis=1)
+        reach = np.ceil(width) * pbc  # cells an image can be from the home cell
+        for other in np.flatnonzero(np.isfinite(lo).all(axis=1)):
+            far = (lo[other] - width > own_hi + reach) | (hi[other] + width < own_lo - reach)
+            if far.any():
+                continue
+            images, ids, image = _near_images(s, width, pbc, lo[other] - width, hi[other] + width)
+            if other == rank:  # own atoms in their home cell are owned rows, not ghosts
+                keep = images[image].any(axis=1)
+                ids, image = ids[keep], image[keep]
+            dest.append(np.full(len(ids), other, dtype=np.int64))
+            place.append(ids)
+            image_shift.append(images[image] + coords.wrap_shift[ids])
+    if not dest:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 3), np.int64)
+    return np.concatenate(dest), np.concatenate(place), np.concatenate(image_shift)
 
 
 def exchange_plans(local: list[RankRows]) -> list[RankRows]:

@@ -105,7 +105,13 @@ def choose_grid(
     if len(coords.s) == 0:
         return (n_ranks, 1, 1)
     span = coords.s.max(axis=0) - coords.s.min(axis=0)
-    extent = np.where(pbc, coords.spacing, span)
+    return grid_for_extent(np.where(pbc, coords.spacing, span), pbc, n_ranks, halo_width)
+
+
+def grid_for_extent(
+    extent: np.ndarray, pbc: np.ndarray, n_ranks: int, halo_width: float
+) -> tuple[int, int, int]:
+    """:func:`choose_grid` from the system's extent per axis (Å)."""
 
     def halo_volume(grid: tuple[int, int, int]) -> float:
         p = np.array(grid)
@@ -162,6 +168,46 @@ def spatial_owners(coords: FrameCoordinates, grid: tuple[int, int, int]) -> np.n
         if parts > 1:  # one part leaves the groups as they are
             group = group * parts + balanced_labels(coords.s[:, axis], group, parts)
     return group
+
+
+# bins per group and axis of the histograms that place distributed cuts
+CUT_BINS = 1024
+
+
+def bins_of(values: np.ndarray, lo: float, hi: float, n_bins: int = CUT_BINS) -> np.ndarray:
+    """Histogram bin of each value on ``n_bins`` equal bins spanning ``[lo, hi]``."""
+    scale = n_bins / (hi - lo) if hi > lo else 0.0
+    bins = np.floor((values - lo) * scale)
+    return np.clip(bins, 0, n_bins - 1).astype(np.int64)
+
+
+def balanced_bin_cuts(histograms: np.ndarray, parts: int) -> np.ndarray:
+    """Where to cut each group's histogram into ``parts`` runs of about equal count.
+
+    Parameters
+    ----------
+    histograms : (G, B) int array
+        Atoms per group and bin.
+    parts : int
+
+    Returns
+    -------
+    (G, parts - 1) int array
+        Cut ``j`` of a group is a bin index: atoms in lower bins get labels
+        ``<= j``. Cuts sit at the bin edge closest to ``j / parts`` of the
+        group's atoms, so every rank computing this from the same (summed)
+        histograms gets the same cuts.
+    """
+    cumulative = np.cumsum(histograms, axis=1)
+    below = np.concatenate([np.zeros((len(histograms), 1), np.int64), cumulative], axis=1)
+    targets = cumulative[:, -1:] * np.arange(1, parts) / parts
+    cuts = np.empty((len(histograms), parts - 1), dtype=np.int64)
+    for group, (counts, wanted) in enumerate(zip(below, targets, strict=True)):
+        after = np.clip(np.searchsorted(counts, wanted), 1, len(counts) - 1)
+        # the edge before or at the target, whichever count is closer to it
+        closer = np.abs(counts[after - 1] - wanted) <= np.abs(counts[after] - wanted)
+        cuts[group] = after - closer
+    return cuts
 
 
 def contiguous_owners(n_atoms: int, n_ranks: int) -> np.ndarray:
