@@ -163,8 +163,10 @@ def _pack(arrays: dict[str, np.ndarray], layout: list) -> np.ndarray:
     """Per-atom arrays side by side as ``(n, bytes per atom)`` uint8 rows."""
     n = len(arrays["positions"])
     columns = [
-        np.ascontiguousarray(arrays[name], dtype=dtype).reshape(n, -1).view(np.uint8)
-        for name, dtype, _ in layout
+        np.ascontiguousarray(arrays[name], dtype=dtype)
+        .reshape(n, int(np.prod(shape, dtype=np.int64)))
+        .view(np.uint8)
+        for name, dtype, shape in layout
     ]
     return np.concatenate(columns, axis=1) if columns else np.zeros((n, 0), np.uint8)
 

@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 from ase.cell import Cell
 
-from ase_shard.halo import local_rows, rank_rows
+from ase_shard.halo import images_near_domains, local_rows, rank_rows
 from ase_shard.partition import (
     FrameCoordinates,
+    balanced_bin_cuts,
+    bins_of,
     choose_grid,
     contiguous_owners,
     frame_coordinates,
@@ -405,6 +407,66 @@ def test_rank_rows_nodes_and_exchange_plan(
             received.append(s.ids[index])
             assert s.send_counts[receiver] == r.recv_counts[sender]
         np.testing.assert_array_equal(np.concatenate(received), expected)
+
+
+@pytest.mark.parametrize("seed, pbc, partition, n_ranks, n_atoms", _halo_params()[::3])
+def test_images_near_domains_are_the_ghosts(
+    seed: int, pbc, partition: str, n_ranks: int, n_atoms: int
+) -> None:
+    """What owners send (distributed atoms) is exactly each rank's own ghost search.
+
+    Every rank holds only its own atoms; the images each sends to each
+    receiver must be that receiver's ghost rows from :func:`local_rows`,
+    which looks at every atom.
+    """
+    pbc = np.array(pbc)
+    width = 4.5
+    positions, cell = _halo_case(seed, pbc, n_atoms)
+    coords = frame_coordinates(positions, cell, pbc)
+    if partition == "spatial":
+        owners = spatial_owners(coords, choose_grid(coords, pbc, n_ranks, width))
+    else:
+        owners = contiguous_owners(n_atoms, n_ranks)
+    lo = np.full((n_ranks, 3), np.inf)
+    hi = np.full((n_ranks, 3), -np.inf)
+    for rank in np.unique(owners):
+        lo[rank], hi[rank] = coords.s[owners == rank].min(0), coords.s[owners == rank].max(0)
+    sent = {rank: set() for rank in range(n_ranks)}
+    for sender in range(n_ranks):
+        mine = np.flatnonzero(owners == sender)
+        local = frame_coordinates(positions[mine], cell, pbc)
+        dest, place, shift = images_near_domains(local, pbc, lo, hi, sender, width)
+        assert np.all(np.diff(dest) >= 0)
+        for rank, atom, image in zip(dest, mine[place], shift, strict=True):
+            sent[int(rank)].add((int(atom), *map(int, image)))
+    for rank in range(n_ranks):
+        rows = local_rows(coords, pbc, owners, rank, n_ranks, width)
+        ghosts = zip(rows.ids[rows.n_owned :], rows.image_shift[rows.n_owned :], strict=True)
+        assert sent[rank] == {(int(i), *map(int, n)) for i, n in ghosts}
+
+
+@pytest.mark.parametrize("parts", [2, 3, 4, 7])
+def test_balanced_bin_cuts(parts: int) -> None:
+    """Cuts leave each part within one bin's atoms of an equal share, for every group."""
+    rng = np.random.default_rng(parts)
+    values = np.concatenate([rng.normal(0.3, 0.05, 900), rng.uniform(0.0, 1.0, 600)])
+    groups = rng.integers(0, 3, len(values))
+    bins = bins_of(values, values.min(), values.max())
+    histograms = np.zeros((3, 1024), np.int64)
+    np.add.at(histograms, (groups, bins), 1)
+    cuts = balanced_bin_cuts(histograms, parts)
+    assert cuts.shape == (3, parts - 1) and np.all(np.diff(cuts, axis=1) >= 0)
+    labels = (bins[:, None] >= cuts[groups]).sum(axis=1)
+    for group in range(3):
+        counts = np.bincount(labels[groups == group], minlength=parts)
+        widest_bin = histograms[group].max()
+        assert np.abs(counts - counts.sum() / parts).max() <= widest_bin
+
+
+def test_balanced_bin_cuts_empty_group() -> None:
+    """A group with no atoms gets cuts too (every rank computes the same)."""
+    cuts = balanced_bin_cuts(np.zeros((2, 8), np.int64), 3)
+    assert cuts.shape == (2, 2)
 
 
 def test_rank_rows_empty_system() -> None:

@@ -1,0 +1,175 @@
+"""Distributed atoms: each rank holds its own atoms; results equal the replicated mode.
+
+Run at any rank count (plain pytest, and ``mpirun -n 2, 3, 4`` in ``make test``).
+The oracles are the replicated calculation of the same system on one rank
+and ASE's own calculators.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from ase import units
+from ase.constraints import FixAtoms
+from ase.md.verlet import VelocityVerlet
+from oracles import ase_results, relative_errors
+from sharded import COMM, on_root, random_gas, results, serial_comm, thermalised_cu
+from systems import CASES
+from toy_models import ToyMessagePassing
+
+from ase_shard import ShardedCalculator
+from ase_shard.distributed import DistributedAtoms, distribute, gather
+from ase_shard.models import EMT
+from ase_shard.partition import PARTITIONS
+
+RTOL = 1e-10
+
+
+def _local_results(atoms, **options) -> dict[str, np.ndarray]:
+    """Results of the distributed system, per-atom ones gathered into the original order."""
+    local = distribute(atoms if COMM.is_root else None)
+    local.calc = ShardedCalculator(options.pop("model"), **options)
+    got = results(local)
+    ids = COMM.allgather(local.get_global_ids())
+    order = np.argsort(np.concatenate(ids))
+    for name in ("energies", "forces", "stresses"):
+        if name in got:
+            got[name] = np.concatenate(COMM.allgather(got[name]))[order]
+    return got
+
+
+def _replicated(atoms, model) -> dict[str, np.ndarray]:
+    def compute():
+        copy = atoms.copy()
+        copy.calc = ShardedCalculator(model, comm=serial_comm())
+        return results(copy)
+
+    return on_root(compute)
+
+
+def _assert_close(got: dict, ref: dict, rtol: float = RTOL) -> None:
+    errors = relative_errors(got, ref)
+    assert set(got) == set(ref)
+    assert all(err <= rtol for err in errors.values()), errors
+
+
+@pytest.mark.parametrize("partition", PARTITIONS)
+@pytest.mark.parametrize("case_name", sorted(CASES))
+def test_matches_replicated_and_ase(case_name: str, partition: str) -> None:
+    case = CASES[case_name]
+    atoms = case.make_atoms()
+    got = _local_results(atoms, model=case.make_model(), partition=partition)
+    _assert_close(got, _replicated(atoms, case.make_model()))
+    ref = ase_results(case.make_ase_calc(), atoms, case.has_stresses)
+    _assert_close({name: got[name] for name in ref}, ref)
+
+
+@pytest.mark.parametrize("halo", ["layer", "full"])
+@pytest.mark.parametrize("pbc", [(True, True, True), (True, True, False), (False, False, False)])
+def test_message_passing_both_halos(pbc, halo: str) -> None:
+    """Three layers: ghosts three cutoffs deep (full) or features exchanged per layer."""
+    atoms = random_gas(pbc, n_atoms=48, seed=5)
+    model = ToyMessagePassing(cutoff=3.0, num_layers=3)
+    got = _local_results(atoms, model=model, halo=halo)
+    _assert_close(got, _replicated(atoms, model))
+
+
+def test_more_ranks_than_atoms() -> None:
+    """Two atoms: on three or four ranks some own nothing, before and after migration."""
+    atoms = CASES["two_atom_cell_lj"].make_atoms()
+    model = CASES["two_atom_cell_lj"].make_model()
+    local = distribute(atoms if COMM.is_root else None)
+    assert local.get_global_number_of_atoms() == 2
+    local.calc = ShardedCalculator(model)
+    energy = local.get_potential_energy()
+    assert sum(COMM.allgather(len(local))) == 2
+    assert energy == pytest.approx(_replicated(atoms, model)["energy"], rel=RTOL)
+
+
+def test_distribute_gather_round_trip() -> None:
+    """Every per-atom array, cell, pbc and info survive; identical copies need no sending."""
+    atoms = thermalised_cu(3, 300.0, seed=4)
+    atoms.set_tags(np.arange(len(atoms)) % 7)
+    atoms.set_initial_magnetic_moments(np.linspace(0.0, 1.0, len(atoms)))
+    atoms.arrays["site"] = np.arange(2 * len(atoms), dtype=np.int32).reshape(-1, 2)
+    atoms.info["label"] = "bulk"
+    for passed in (atoms if COMM.is_root else None, atoms):
+        local = distribute(passed)
+        assert isinstance(local, DistributedAtoms)
+        assert sum(COMM.allgather(len(local))) == len(atoms)
+        assert local.get_kinetic_energy() == pytest.approx(atoms.get_kinetic_energy(), rel=1e-12)
+        assert local.get_temperature() == pytest.approx(atoms.get_temperature(), rel=1e-12)
+        np.testing.assert_allclose(
+            local.get_center_of_mass(), atoms.get_center_of_mass(), rtol=1e-12
+        )
+        back = gather(local)
+        if not COMM.is_root:
+            assert back is None
+            continue
+        assert set(back.arrays) == set(atoms.arrays)
+        for name, array in atoms.arrays.items():
+            np.testing.assert_array_equal(back.arrays[name], array, err_msg=name)
+        assert back.info == atoms.info
+        np.testing.assert_array_equal(back.cell.array, atoms.cell.array)
+
+
+def test_nve_with_migration_matches_replicated() -> None:
+    """40 hot steps with a thin skin: many rebuilds, atoms change ranks, nothing is lost."""
+    atoms = thermalised_cu(3, 2000.0, seed=2)
+    atoms.arrays["label"] = np.arange(len(atoms)) * 10
+
+    def replicated():
+        copy = atoms.copy()
+        copy.calc = ShardedCalculator(EMT(), skin=0.1, comm=serial_comm())
+        VelocityVerlet(copy, 2 * units.fs).run(40)
+        return copy.positions, copy.get_momenta(), copy.calc.rebuilds
+
+    positions, momenta, rebuilds = on_root(replicated)
+    local = distribute(atoms if COMM.is_root else None)
+    local.calc = ShardedCalculator(EMT(), skin=0.1)
+    first = local.get_global_ids()
+    VelocityVerlet(local, 2 * units.fs).run(40)
+    assert local.calc.rebuilds == rebuilds > 5
+    moved = COMM.allgather(not np.array_equal(first, local.get_global_ids()))
+    assert COMM.size == 1 or any(moved), "no atom changed rank"
+    back = gather(local)
+    if COMM.is_root:
+        np.testing.assert_allclose(back.positions, positions, rtol=0, atol=1e-9)
+        np.testing.assert_allclose(back.get_momenta(), momenta, rtol=0, atol=1e-9)
+        np.testing.assert_array_equal(back.arrays["label"], atoms.arrays["label"])
+        np.testing.assert_array_equal(back.numbers, atoms.numbers)
+
+
+def test_errors_reach_every_rank() -> None:
+    """Bad input on one rank raises the same error on all, and the next call works."""
+    atoms = thermalised_cu(2, 300.0, seed=1)
+    local = distribute(atoms if COMM.is_root else None)
+    local.calc = ShardedCalculator(EMT())
+    local.get_potential_energy()
+    if COMM.rank == COMM.size - 1 and len(local):
+        local.positions[0] = np.nan
+    with pytest.raises(ValueError, match="not finite"):
+        local.get_forces()
+    if len(local):
+        local.positions[0] = 0.0 if COMM.rank == COMM.size - 1 else local.positions[0]
+    # ranks that did not change their atoms still take part in the next calculation
+    local.positions += 0.01
+    assert np.isfinite(local.get_potential_energy())
+
+
+def test_deleted_atoms_are_an_error() -> None:
+    atoms = thermalised_cu(2, 300.0, seed=1)
+    local = distribute(atoms if COMM.is_root else None)
+    local.calc = ShardedCalculator(EMT())
+    local.get_potential_energy()
+    if COMM.is_root and len(local):
+        del local[0]
+    with pytest.raises(ValueError, match="added or deleted"):
+        local.get_potential_energy()
+
+
+def test_constraints_are_refused() -> None:
+    atoms = thermalised_cu(2, 300.0, seed=1)
+    atoms.set_constraint(FixAtoms(indices=[0]))
+    with pytest.raises(ValueError, match="constraints"):
+        distribute(atoms if COMM.is_root else None)
