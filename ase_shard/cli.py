@@ -341,6 +341,12 @@ def add_md(subparsers: argparse._SubParsersAction) -> None:
         "T, and pressure and volume with npt-berendsen",
     )
     md.add_argument("--interval", type=int, default=10, help="steps between frames (10)")
+    md.add_argument(
+        "--distributed",
+        action="store_true",
+        help="each rank holds and integrates only its own atoms (nve, langevin); frames "
+        "and log rows are gathered to rank 0 every --interval steps",
+    )
     md.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
     md.set_defaults(run=run_md)
 

@@ -90,16 +90,14 @@ class DistributedAtoms(Atoms):
         stress = self.sum_over_ranks(super().get_kinetic_stress(voigt=True))
         return stress if voigt else voigt_6_to_full_3x3_stress(stress)
 
+    def get_masses(self) -> np.ndarray:
+        # ASE's MD drivers (MolecularDynamics) ask for the masses when they are made and
+        # never for an optimisable: unsafe ones are refused here
+        _refuse_unsafe_driver()
+        return super().get_masses()
+
     def __ase_optimizable__(self) -> OptimizableAtoms:
-        driver = _constructing_driver()
-        if driver is not None and not distributed_safe(driver):
-            raise TypeError(
-                f"{type(driver).__name__} cannot run on DistributedAtoms: it keeps per-atom "
-                "arrays across force calls (atoms migrate between ranks inside them) or needs "
-                "the whole system at once. Use VelocityVerlet, Bussi, or the drivers in "
-                "ase_shard.dynamics (Langevin, NoseHooverChainNVT, IsotropicMTKNPT, FIRE); "
-                "or gather() the atoms and run it on one rank"
-            )
+        _refuse_unsafe_driver()
         return DistributedOptimizable(self)
 
 
@@ -131,16 +129,31 @@ def distributed_safe(driver: Any) -> bool:
     )
 
 
+def _refuse_unsafe_driver() -> None:
+    """Raise ``TypeError`` if an ASE driver that is not :func:`distributed_safe` is being made."""
+    driver = _constructing_driver()
+    if driver is not None and not distributed_safe(driver):
+        raise TypeError(
+            f"{type(driver).__name__} cannot run on DistributedAtoms: it keeps per-atom "
+            "arrays across force calls (atoms migrate between ranks inside them), sums "
+            "over this rank's atoms only, or needs the whole system at once. Use "
+            "VelocityVerlet, Bussi, or the drivers in ase_shard.dynamics (Langevin, "
+            "NoseHooverChainNVT, IsotropicMTKNPT, FIRE); or gather() the atoms and run it "
+            "on one rank"
+        )
+
+
 def _constructing_driver() -> Any:
-    """The ASE dynamics object whose ``__init__`` is asking for an optimisable, if any."""
-    from ase.optimize.optimize import Dynamics
+    """The ASE dynamics object whose ``__init__`` is running further up the stack, if any."""
+    from ase.optimize.optimize import BaseDynamics
 
     frame = sys._getframe(2)
-    for _ in range(8):  # Dynamics.__init__ is a few frames up from __ase_optimizable__
+    for _ in range(8):  # the driver's __init__ is a few frames up
         if frame is None:
             return None
         candidate = frame.f_locals.get("self")
-        if isinstance(candidate, Dynamics):
+        # only while a driver is made: its steps and trajectory writes ask too
+        if frame.f_code.co_name == "__init__" and isinstance(candidate, BaseDynamics):
             return candidate
         frame = frame.f_back
     return None

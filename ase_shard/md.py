@@ -17,6 +17,11 @@ Output
   when the dynamics computed it) and, in ``atoms.info``, ``md_step`` and
   ``md_time_fs``, which ``--restart`` reads.
 - Log (``--log``): a table every ``--interval`` steps; energies per atom.
+
+With ``--distributed`` the ranks split the atoms after the momenta are drawn
+(:func:`ase_shard.distributed.distribute`); each integrates its own, frames
+are gathered to rank 0 every ``--interval`` steps, and the checks that end a
+run are agreed on collectively.
 - Summary: throughput and rebuilds; for NVE the total-energy drift, for the
   thermostats the mean and standard deviation of the temperature.
 """
@@ -57,6 +62,7 @@ from ase.parallel import parprint, world
 from ase_shard.calculator import ShardedCalculator
 from ase_shard.cli import FILE_DEFAULTS, CLIError, Defaults, ModelSpec, load_system, resolve_model
 from ase_shard.comm import Comm
+from ase_shard.distributed import GLOBAL_ID, DistributedAtoms, distribute
 from ase_shard.models import EMT, LennardJones, Morse
 
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
@@ -73,6 +79,8 @@ ASE_CALCULATORS: dict[str, Callable[[], object]] = {
     "morse": partial(AseMorse, epsilon=0.35, r0=2.55, rho0=4.0),
 }
 THERMOSTATS = ("langevin", "nvt-berendsen", "npt-berendsen")
+# ensembles whose integrators run on DistributedAtoms (--distributed)
+DISTRIBUTED_ENSEMBLES = ("nve", "langevin")
 
 # blow-up guard: a run stops when T exceeds TEMPERATURE_FACTOR times the reference
 # (the target, or the initial T under NVE), the reference being at least
@@ -111,6 +119,11 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
     """``ase-shard md`` on this rank; returns the exit code (see :func:`ase_shard.cli.main`)."""
     writer_path = args.trajectory or args.restart
     check_trajectory_format(writer_path)
+    if args.distributed and args.ensemble not in DISTRIBUTED_ENSEMBLES:
+        raise CLIError(
+            f"--distributed runs {' and '.join(DISTRIBUTED_ENSEMBLES)}, not {args.ensemble}: "
+            "the Berendsen integrators' centre-of-mass fix sums each rank's atoms only"
+        )
     if args.restart is not None:
         atoms, start = read_restart(args.restart)
         defaults, label = FILE_DEFAULTS, f"{args.restart} from step {start.step}"
@@ -122,6 +135,8 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
     draw = args.restart is None and (args.temperature is not None or not atoms.get_momenta().any())
     if draw:
         thermalise(atoms, target, rng)
+    if args.distributed:
+        atoms = distribute(atoms)  # every rank holds the same atoms: each keeps its share
     calc = make_calculator(build_model(spec, args.modality), args)
     atoms.calc = calc
     dyn = make_dynamics(atoms, args, target, defaults, rng)
@@ -132,8 +147,9 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
     warn_barostat_axes(atoms, args.ensemble)
     dtype = str(calc.dtype).removeprefix("torch.")
     parprint(
-        f"ase-shard md: {label}, {len(atoms)} atoms, {spec.label} ({type(calc.model).__name__}) "
-        f"on {world.size} rank(s) ({calc.device}, {dtype}), {args.ensemble}, "
+        f"ase-shard md: {label}, {atoms.get_global_number_of_atoms()} atoms, {spec.label} "
+        f"({type(calc.model).__name__}) on {world.size} rank(s) ({calc.device}, {dtype}"
+        f"{', distributed atoms' if args.distributed else ''}), {args.ensemble}, "
         f"{args.steps} x {args.timestep:g} fs",
         flush=True,
     )
@@ -283,6 +299,18 @@ def make_dynamics(
     timestep = args.timestep * units.fs
     if args.ensemble == "nve":
         return VelocityVerlet(atoms, timestep=timestep)
+    if args.ensemble == "langevin" and isinstance(atoms, DistributedAtoms):
+        from ase_shard.dynamics import Langevin as DistributedLangevin
+
+        # no FixCom: constraints cannot follow migrating atoms
+        return DistributedLangevin(
+            atoms,
+            timestep=timestep,
+            temperature_K=temperature,
+            friction=args.friction / units.fs,
+            fixcm=False,
+            rng=rng,
+        )
     if args.ensemble == "langevin":
         atoms.constraints = [*atoms.constraints, FixCom()]  # ASE's advice over fixcm=True
         return Langevin(
@@ -362,6 +390,16 @@ def frame(atoms: Atoms, step: int, time_fs: float) -> Atoms:
     return copy
 
 
+def gathered_frame(atoms: DistributedAtoms, step: int, time_fs: float) -> Atoms | None:
+    """:func:`frame` of distributed atoms, gathered on rank 0 (``None`` elsewhere)."""
+    from ase_shard.io import _gathered_with_results
+
+    whole = _gathered_with_results(atoms, root=0)
+    if whole is not None:
+        whole.info = {STEP_KEY: step, TIME_KEY: time_fs}
+    return whole
+
+
 class FrameWriter:
     """Frames appended to ``path`` one by one, by rank 0 (a context manager).
 
@@ -384,7 +422,12 @@ class FrameWriter:
 
     def write(self, atoms: Atoms, step: int, time_fs: float) -> None:
         """Append the current state (every rank calls this; rank 0 writes)."""
-        image = frame(atoms, step, time_fs)  # every rank: reading results is collective-free
+        if isinstance(atoms, DistributedAtoms):
+            image = gathered_frame(atoms, step, time_fs)  # collective; None but on rank 0
+            if image is None:
+                return
+        else:
+            image = frame(atoms, step, time_fs)  # every rank: reading results is collective-free
         if self.trajectory is not None:
             self.trajectory.write(image)
         elif world.rank == 0:
@@ -421,7 +464,7 @@ class Logger:
     def write(self, step: int, time_fs: float) -> None:
         """One row (every rank computes it from cached results; rank 0 writes)."""
         atoms = self.atoms
-        n = len(atoms)
+        n = atoms.get_global_number_of_atoms()
         epot, ekin = atoms.get_potential_energy() / n, atoms.get_kinetic_energy() / n
         row = (
             f"{step:6d} {time_fs / 1000:9.4f} {epot + ekin:11.5f} {epot:11.5f} {ekin:11.5f} "
@@ -474,19 +517,33 @@ class Guard:
         self.limit = TEMPERATURE_FACTOR * self.reference
         self.axes = np.flatnonzero(~atoms.pbc)
         coordinates = atoms.positions[:, self.axes]
-        low, high = coordinates.min(axis=0), coordinates.max(axis=0)
+        low = coordinates.min(axis=0, initial=np.inf)
+        high = coordinates.max(axis=0, initial=-np.inf)
+        if isinstance(atoms, DistributedAtoms):  # the extent of all ranks' atoms
+            extents = atoms.comm.allgather((low, high))
+            low = np.min([extent[0] for extent in extents], axis=0)
+            high = np.max([extent[1] for extent in extents], axis=0)
         margin = np.maximum(high - low, ESCAPE_DISTANCE)
         self.low, self.high = low - margin, high + margin
 
     def __call__(self) -> None:
+        reason = self._reason()
+        if isinstance(self.atoms, DistributedAtoms):
+            # each rank sees its own atoms: all stop if one does
+            reason = next(filter(None, self.atoms.comm.allgather(reason)), None)
+        if reason is not None:
+            self._stop(reason)
+
+    def _reason(self) -> str | None:
+        """Why the run must stop, judged from this rank's atoms; ``None``: it may go on."""
         atoms = self.atoms
         energy = atoms.get_potential_energy()
         forces = atoms.get_forces(apply_constraint=False)
         if not np.isfinite(energy) or not np.isfinite(forces).all():
-            self._stop("the energy or forces are not finite")
+            return "the energy or forces are not finite"
         temperature = atoms.get_temperature()
         if not temperature <= self.limit:
-            self._stop(
+            return (
                 f"T = {temperature:.4g} K exceeds {TEMPERATURE_FACTOR:g} x "
                 f"{self.reference:g} K; try a smaller --timestep"
             )
@@ -494,10 +551,13 @@ class Guard:
         outside = (coordinates < self.low) | (coordinates > self.high)
         if outside.any():
             atom, axis = np.argwhere(outside)[0]
-            self._stop(
+            if isinstance(atoms, DistributedAtoms):
+                atom = atoms.arrays[GLOBAL_ID][atom]
+            return (
                 f"atom {atom} left the box along non-periodic axis {'xyz'[self.axes[axis]]} "
                 f"(more than {self.high[axis] - self.low[axis]:.0f} Å span)"
             )
+        return None
 
     def _stop(self, reason: str) -> None:
         step = self.dyn.nsteps
@@ -549,7 +609,8 @@ class EnergyTracker:
 
     def __call__(self) -> None:
         atoms = self.atoms
-        total = (atoms.get_potential_energy() + atoms.get_kinetic_energy()) / len(atoms)
+        energy = atoms.get_potential_energy() + atoms.get_kinetic_energy()
+        total = energy / atoms.get_global_number_of_atoms()
         self.totals.append(total)
         self.temperatures.append(atoms.get_temperature())
         if self.progress is not None:
@@ -623,7 +684,7 @@ def print_summary(
 ) -> None:
     """Rank 0: throughput, rebuilds, then for NVE the total-energy drift per atom and
     for the thermostats the temperature's mean and standard deviation; final T."""
-    n = len(atoms)
+    n = atoms.get_global_number_of_atoms()
     rate = steps / wall if wall > 0 else float("nan")
     lines = [
         "ase-shard md summary",

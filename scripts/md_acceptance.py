@@ -14,7 +14,8 @@ Cases (``--case``):
 - ``nve-soak``: VelocityVerlet on an 864-atom hot Lennard-Jones (argon) fluid, 10,000
   steps of 5 fs (``--soak-steps``): count and ids conserved, every rank bitwise equal
   at every step, energy conserved, results against ASE's LennardJones every 500 steps
-  (``tests/soak.py``; run it on 3 ranks for docs/reliability.md).
+  (``tests/soak.py``; run it on 3 ranks for docs/reliability.md); ``--distributed``
+  runs it on DistributedAtoms.
 - ``npt``: NPTBerendsen and IsotropicMTKNPT, 864-atom Cu under tension, 200 steps:
   volume change, rebuilds, stress against ASE's EMT and a fresh one-rank
   evaluation every 20 steps.
@@ -22,6 +23,11 @@ Cases (``--case``):
   Cu(111) slab, to fmax 1e-3, against the same relaxations on one rank.
 - ``timing``: 32,000-atom Cu, EMT: time of a step that reuses the decomposition
   against one that rebuilds it.
+- ``distributed``: DistributedAtoms (each rank holds its own atoms). VelocityVerlet,
+  4,000 Cu, EMT, 1,200 K, 2 fs, 200 steps: gathered positions and every per-atom array
+  against the replicated one-rank run, drift, atoms that changed rank; Langevin
+  (ase_shard.dynamics) and ASE's Bussi to 600 K: mean T over the second half; ase_shard's
+  IsotropicMTKNPT on 864 Cu under tension: volume against ASE's on one rank.
 
 Every rank runs the same ASE driver on the same Atoms (seeded random numbers).
 One-rank references are computed inside the same command: rank 0 alone runs
@@ -63,6 +69,7 @@ from sharded import COMM, identical_on_all_ranks, on_root, serial_comm, thermali
 from soak import run_nve_soak
 
 from ase_shard import ShardedCalculator
+from ase_shard.distributed import distribute, gather
 from ase_shard.models import EMT, LennardJones
 
 RTOL = 1e-10
@@ -244,8 +251,12 @@ def case_soak(table: Table, skin: float) -> None:
     table.add("soak", "steps/s", f"{steps / elapsed:.2f}")
 
 
-def case_nve_soak(table: Table, skin: float, steps: int = 10_000) -> None:
-    figures = run_nve_soak(repeat=6, steps=steps, oracle_every=500, skin=skin)
+def case_nve_soak(
+    table: Table, skin: float, steps: int = 10_000, distributed: bool = False
+) -> None:
+    figures = run_nve_soak(
+        repeat=6, steps=steps, oracle_every=500, skin=skin, distributed=distributed
+    )
     drift, error = figures["max_drift"], figures["oracle_error"]
     table.add(
         "nve-soak", "atoms / steps of 5 fs / skin Å", f"{figures['atoms']} / {steps} / {skin:g}"
@@ -258,7 +269,9 @@ def case_nve_soak(table: Table, skin: float, steps: int = 10_000) -> None:
     )
     table.add(
         "nve-soak",
-        "r, p, E_i, F bitwise equal on all ranks, every step",
+        "E, Etot, stress bitwise equal on all ranks, every step"
+        if distributed
+        else "r, p, E_i, F bitwise equal on all ranks, every step",
         str(figures["in_step"]),
         figures["in_step"],
     )
@@ -458,6 +471,144 @@ def case_timing(table: Table, skin: float) -> None:
     )
 
 
+def case_distributed(table: Table, skin: float) -> None:
+    from ase.md.bussi import Bussi
+
+    from ase_shard import dynamics
+
+    start = thermalised_cu(10, 1200.0, seed=3)
+    start.set_tags(np.arange(len(start)) % 11)
+    start.arrays["label"] = np.arange(len(start)) * 3
+    n = len(start)
+
+    def replicated() -> np.ndarray:
+        atoms = start.copy()
+        atoms.calc = ShardedCalculator(EMT(), skin=skin, comm=serial_comm())
+        VelocityVerlet(atoms, 2 * units.fs).run(200)
+        return atoms.positions
+
+    positions = on_root(replicated)
+    atoms = distribute(start)
+    atoms.calc = calc = ShardedCalculator(EMT(), skin=skin)
+    dyn = VelocityVerlet(atoms, 2 * units.fs)
+    totals, arrived, held = [], [0], [atoms.get_global_ids()]
+
+    def observe() -> None:
+        totals.append(atoms.get_total_energy())
+        ids = atoms.get_global_ids()
+        arrived[0] += sum(COMM.allgather(np.setdiff1d(ids, held[0]).size))
+        held[0] = ids
+
+    dyn.attach(observe, interval=1)
+    elapsed = time.perf_counter()
+    dyn.run(200)
+    elapsed = time.perf_counter() - elapsed
+    whole = gather(atoms)
+    drift = float(np.abs(np.array(totals) - totals[0]).max() / n)
+    table.add("dist", "NVE: atoms / steps of 2 fs / skin Å", f"{n} / 200 / {skin:g}")
+    if COMM.is_root:
+        error = float(np.abs(whole.positions - positions).max())
+        kept = all(
+            np.array_equal(whole.arrays[k], start.arrays[k]) for k in ("numbers", "tags", "label")
+        )
+        kept &= len(whole) == n and set(whole.arrays) == set(start.arrays)
+    error, kept = COMM.bcast((error, kept) if COMM.is_root else None)
+    table.add(
+        "dist",
+        "NVE: max |r - r(1 rank, replicated)| (Å)",
+        f"{error:.1e}",
+        error <= 1e-8,
+        "<= 1e-8",
+    )
+    table.add("dist", "NVE: count, ids, numbers, tags, custom array", str(kept), kept)
+    table.add(
+        "dist", "NVE: max |Etot - Etot0| / N (eV/atom)", f"{drift:.2e}", drift <= 1e-4, "<= 1e-4"
+    )
+    table.add(
+        "dist",
+        "NVE: rebuilds / atoms that changed rank",
+        f"{calc.rebuilds} / {arrived[0]}",
+        calc.rebuilds > 1 and (arrived[0] > 0 or COMM.size == 1),
+        "> 1 / > 0",
+    )
+    table.add("dist", "NVE: steps/s", f"{200 / elapsed:.2f}")
+
+    target, steps = 600.0, 400
+    thermostats = {
+        "Langevin": lambda a: dynamics.Langevin(
+            a,
+            2 * units.fs,
+            temperature_K=target,
+            friction=0.02 / units.fs,
+            rng=np.random.default_rng(5),
+        ),
+        "Bussi": lambda a: Bussi(
+            a,
+            2 * units.fs,
+            temperature_K=target,
+            taut=50 * units.fs,
+            rng=np.random.default_rng(5),
+        ),
+    }
+    for name, make in thermostats.items():
+        atoms = distribute(thermalised_cu(10, 300.0, seed=4))
+        atoms.calc = ShardedCalculator(EMT(), skin=skin)
+        temperatures = []
+        dyn = make(atoms)
+        dyn.attach(lambda a=atoms, t=temperatures: t.append(a.get_temperature()), 1)
+        dyn.run(steps)
+        mean = float(np.mean(temperatures[len(temperatures) // 2 :]))
+        off = abs(mean / target - 1)
+        table.add(
+            "dist",
+            f"{name}: mean T, 2nd half of {steps} steps (K)",
+            f"{mean:.1f} ({off:.1%} off)",
+            off <= 0.02,
+            f"{target:g} ± 2 %",
+        )
+
+    npt = {
+        "timestep": 2 * units.fs,
+        "temperature_K": 300.0,
+        "pressure_au": 0.0,
+        "tdamp": 100 * units.fs,
+        "pdamp": 1000 * units.fs,
+    }
+
+    squeezed = thermalised_cu(6, 300.0, seed=7)
+    squeezed.set_cell(squeezed.cell * 1.02, scale_atoms=True)
+
+    def replicated_npt() -> list:
+        atoms = squeezed.copy()
+        atoms.calc = ShardedCalculator(EMT(), skin=skin, comm=serial_comm())
+        volumes = []
+        dyn = IsotropicMTKNPT(atoms, **npt, comm=DummyMPI())
+        dyn.attach(lambda: volumes.append(atoms.get_volume()), 10)
+        dyn.run(200)
+        return volumes
+
+    reference = on_root(replicated_npt)
+    atoms = distribute(squeezed)
+    atoms.calc = ShardedCalculator(EMT(), skin=skin)
+    volumes = []
+    dyn = dynamics.IsotropicMTKNPT(atoms, **npt)
+    dyn.attach(lambda: volumes.append(atoms.get_volume()), 10)
+    dyn.run(200)
+    worst = float(np.max(np.abs(np.array(volumes) / np.array(reference) - 1)))
+    table.add(
+        "dist",
+        "MTK NPT: V_end / V_0 (distributed; replicated 1 rank)",
+        f"{volumes[-1] / volumes[0]:.4f}; {reference[-1] / reference[0]:.4f}",
+    )
+    table.add(
+        "dist",
+        "MTK NPT: max |V / V(1 rank) - 1| over 200 steps",
+        f"{worst:.1e}",
+        worst <= 1e-8,
+        "<= 1e-8",
+    )
+
+
 RUNNERS = {
     "nve": case_nve,
     "soak": case_soak,
@@ -465,6 +616,7 @@ RUNNERS = {
     "npt": case_npt,
     "relax": case_relax,
     "timing": case_timing,
+    "distributed": case_distributed,
 }
 
 
@@ -475,8 +627,15 @@ def main() -> None:
     parser.add_argument(
         "--soak-steps", type=int, default=10_000, help="MD steps of the nve-soak case"
     )
+    parser.add_argument(
+        "--distributed",
+        action="store_true",
+        help="nve-soak on DistributedAtoms (each rank holds its own atoms)",
+    )
     args = parser.parse_args()
-    RUNNERS["nve-soak"] = partial(case_nve_soak, steps=args.soak_steps)
+    RUNNERS["nve-soak"] = partial(
+        case_nve_soak, steps=args.soak_steps, distributed=args.distributed
+    )
     if COMM.is_root:
         print(f"ase_shard {ase_shard.__version__}, {COMM.size} MPI rank(s)", flush=True)
     table = Table()

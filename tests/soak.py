@@ -18,6 +18,7 @@ from oracles import ase_results, relative_errors
 from sharded import COMM, identical_on_all_ranks, on_root
 
 from ase_shard import ShardedCalculator
+from ase_shard.distributed import distribute
 from ase_shard.models import LennardJones
 
 # argon with ASE's smooth cutoff (ro = 0.66 rc): forces are continuous, so NVE conserves
@@ -38,8 +39,22 @@ def hot_argon_fluid(repeat: int, seed: int = 5) -> Atoms:
     return atoms
 
 
+def _global_order(atoms: Atoms, values: dict) -> dict:
+    """Distributed atoms: per-atom ``values`` of all ranks, in the original atom order."""
+    parts = COMM.allgather((atoms.arrays["ids"], values))
+    order = np.argsort(np.concatenate([ids for ids, _ in parts]))
+    return {
+        name: np.concatenate([part[name] for _, part in parts])[order] for name in values
+    }
+
+
 def run_nve_soak(
-    repeat: int, steps: int, oracle_every: int, timestep_fs: float = 5.0, skin: float = 1.0
+    repeat: int,
+    steps: int,
+    oracle_every: int,
+    timestep_fs: float = 5.0,
+    skin: float = 1.0,
+    distributed: bool = False,
 ) -> dict:
     """VelocityVerlet on :func:`hot_argon_fluid` with checks at every step.
 
@@ -49,6 +64,12 @@ def run_nve_soak(
     per-atom energies, forces, stress and per-atom stresses against ASE's
     ``LennardJones`` (so no atom was lost or counted twice). At each rebuild,
     rank 0 counts atoms whose owner rank changed.
+
+    With ``distributed``, each rank holds only its own atoms
+    (:func:`ase_shard.distributed.distribute`): the ranks must agree bitwise on
+    the energy, total energy and stress every step; per-atom values are
+    gathered by id for the checks against ASE; owner changes are the atoms
+    each rank received at each rebuild.
 
     Returns
     -------
@@ -63,6 +84,8 @@ def run_nve_soak(
     """
     atoms = hot_argon_fluid(repeat)
     n, numbers, start = len(atoms), atoms.numbers.copy(), atoms.positions.copy()
+    if distributed:
+        atoms = distribute(atoms)
     calc = ShardedCalculator(LennardJones(**ARGON), skin=skin)
     atoms.calc = calc
     dyn = VelocityVerlet(atoms, timestep=timestep_fs * units.fs)
@@ -73,25 +96,37 @@ def run_nve_soak(
     def observe() -> None:
         forces, energies = atoms.get_forces(), atoms.get_potential_energies()
         track["totals"].append(atoms.get_total_energy())
-        track["in_step"] &= identical_on_all_ranks(
-            atoms.positions, atoms.get_momenta(), energies, forces
-        )
-        track["all_owned"] &= bool((energies != 0.0).all())
-        if COMM.is_root and calc.rebuilds != owners["builds"]:
+        if distributed:
+            track["in_step"] &= identical_on_all_ranks(
+                track["totals"][-1], atoms.get_potential_energy(), atoms.get_stress()
+            )
+            track["all_owned"] &= all(COMM.allgather(bool((energies != 0.0).all())))
+        else:
+            track["in_step"] &= identical_on_all_ranks(
+                atoms.positions, atoms.get_momenta(), energies, forces
+            )
+            track["all_owned"] &= bool((energies != 0.0).all())
+        if calc.rebuilds != owners["builds"] and (distributed or COMM.is_root):
             owners["builds"] = calc.rebuilds
-            now = calc.decomposition["owners"]
-            if owners["last"] is not None:
+            now = atoms.arrays["ids"].copy() if distributed else calc.decomposition["owners"]
+            if owners["last"] is not None and distributed:
+                arrived = np.setdiff1d(now, owners["last"]).size
+                owners["changes"] += sum(COMM.allgather(arrived))
+            elif owners["last"] is not None:
                 owners["changes"] += int((now != owners["last"]).sum())
             owners["last"] = now
         if dyn.nsteps % oracle_every == 0 or dyn.nsteps == steps:
+            per_atom = {"energies": energies, "forces": forces, "stresses": atoms.get_stresses()}
+            if distributed:
+                per_atom = _global_order(atoms, {**per_atom, "positions": atoms.positions})
             got = {
                 "energy": np.asarray(atoms.get_potential_energy()),
-                "energies": energies,
-                "forces": forces,
                 "stress": atoms.get_stress(),
-                "stresses": atoms.get_stresses(),
+                **per_atom,
             }
-            reference = on_root(lambda: ase_results(oracle, atoms, stresses=True))
+            system = Atoms(numbers, positions=got.pop("positions", atoms.positions))
+            system.cell, system.pbc = atoms.cell, atoms.pbc
+            reference = on_root(lambda: ase_results(oracle, system, stresses=True))
             track["errors"].append(max(relative_errors(got, reference).values()))
 
     dyn.attach(observe, interval=1)
@@ -99,13 +134,16 @@ def run_nve_soak(
     dyn.run(steps)
     elapsed = time.perf_counter() - elapsed
     totals = np.array(track["totals"])
+    final = {"ids": atoms.arrays["ids"], "numbers": atoms.numbers, "positions": atoms.positions}
+    if distributed:
+        final = _global_order(atoms, final)
     return {
         "atoms": n,
         "steps": dyn.nsteps,
         "conserved": bool(
-            len(atoms) == n
-            and (atoms.numbers == numbers).all()
-            and (atoms.arrays["ids"] == np.arange(n)).all()
+            len(final["ids"]) == n
+            and (final["numbers"] == numbers).all()
+            and (final["ids"] == np.arange(n)).all()
         ),
         "in_step": track["in_step"],
         "all_owned": track["all_owned"],
@@ -116,6 +154,6 @@ def run_nve_soak(
         "rebuilds": calc.rebuilds,
         "owner_changes": COMM.bcast(owners["changes"]),
         "temperature": atoms.get_temperature(),
-        "mean_displacement": float(np.linalg.norm(atoms.positions - start, axis=1).mean()),
+        "mean_displacement": float(np.linalg.norm(final["positions"] - start, axis=1).mean()),
         "seconds": COMM.bcast(elapsed),
     }

@@ -220,3 +220,39 @@ def test_overlapping_atoms_under_mpirun_report_once(tmp_path: Path) -> None:
     assert done.returncode == 2, output
     assert output.count("atoms 4 and 9 are 0.0000 Å apart, closer than min_distance") == 1
     assert "Traceback" not in output and "MPI_ABORT" not in output
+
+
+def test_distributed_md_under_mpirun_matches_replicated(tmp_path: Path) -> None:
+    """``--distributed`` writes the same frames as the replicated run (2 ranks each)."""
+    mpirun = Path(sys.executable).parent / "mpirun"
+    if not mpirun.exists():
+        pytest.skip(f"no {mpirun}")
+    env = dict(
+        os.environ,
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        OMP_NUM_THREADS="1",
+    )
+    frames = {}
+    for mode in ("replicated", "distributed"):
+        path = tmp_path / f"{mode}.traj"
+        command = ["timeout", "-k", "5", "100", str(mpirun), "--oversubscribe", "-n", "2"]
+        command += [sys.executable, "-m", "ase_shard.cli", "md", "--size", "3", "--steps", "30"]
+        command += ["--interval", "10", "--skin", "0.1", "--trajectory", str(path)]
+        command += ["--no-progress"] + (["--distributed"] if mode == "distributed" else [])
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.count(SUMMARY) == 1
+        frames[mode] = read(path, ":")
+    assert len(frames["distributed"]) == len(frames["replicated"]) == 4
+    for got, want in zip(frames["distributed"], frames["replicated"], strict=True):
+        assert got.info == want.info
+        np.testing.assert_allclose(got.positions, want.positions, rtol=0, atol=1e-10)
+        np.testing.assert_allclose(got.get_forces(), want.get_forces(), rtol=0, atol=1e-10)
+        np.testing.assert_array_equal(got.numbers, want.numbers)
+
+
+def test_distributed_berendsen_exits_2(capsys) -> None:
+    argv = ["md", "--size", "2", "--steps", "1", "--ensemble", "nvt-berendsen", "--distributed"]
+    assert main(argv) == 2
+    assert "--distributed runs nve and langevin" in capsys.readouterr().err

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from ase.io import read
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 FLOAT = r"[-+]?\d+\.?\d*(?:[eE][-+]?\d+)?"
@@ -82,3 +83,25 @@ def test_md_with_pretrained_7net0():
     assert "7net-0 (cutoff 5.0 Å, 5 layers)" in out
     drift = float(re.search(r"drift ([-+0-9.e]+) eV/atom", out).group(1))
     assert abs(drift) < 1e-3
+
+
+def test_md_distributed_logs_and_writes_every_interval(tmp_path):
+    traj = tmp_path / "md.traj"
+    out = run_example(
+        "md_distributed.py",
+        "--size",
+        "3",
+        "--steps",
+        "10",
+        "--write-every",
+        "5",
+        "--trajectory",
+        str(traj),
+    )
+    assert "108 Cu atoms (EMT), distributed over 1 MPI rank(s)" in out
+    times = [float(m.group(1)) for m in re.finditer(rf"^({FLOAT})\s+{FLOAT}\s+{FLOAT}", out, re.M)]
+    assert times == [0.0, 0.01, 0.02]  # ps: every 5 steps of 2 fs
+    assert "atoms per rank at the end: [108] (total 108)" in out
+    assert "3 frame(s) written" in out
+    frames = read(traj, ":")
+    assert [len(frame) for frame in frames] == [108] * 3

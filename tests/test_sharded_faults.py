@@ -331,8 +331,9 @@ def test_degenerate_geometry(name: str, partition: str) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_nve_soak_short() -> None:
-    figures = run_nve_soak(repeat=4, steps=200, oracle_every=100)
+@pytest.mark.parametrize("distributed", [False, True])
+def test_nve_soak_short(distributed: bool) -> None:
+    figures = run_nve_soak(repeat=4, steps=200, oracle_every=100, distributed=distributed)
     assert figures["steps"] == 200
     assert figures["conserved"] and figures["in_step"] and figures["all_owned"], figures
     assert figures["max_drift"] <= 2e-4, figures  # eV/atom; measured 4.2e-5
