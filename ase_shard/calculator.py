@@ -514,6 +514,11 @@ class ShardedCalculator(Calculator):
         if distributed:
             if self._driven:
                 raise ValueError("DistributedAtoms need every rank to run the script (SPMD)")
+            if self.atoms.comm.size != self.comm.size:
+                raise ValueError(
+                    f"the DistributedAtoms are spread over {self.atoms.comm.size} rank(s), the "
+                    f"calculator over {self.comm.size}: give both the same communicator"
+                )
             # atoms migrate in place: the caller's (a driver's) atoms, not ASE's copy
             atoms = self._copies[0] if self._copies else self.atoms
         else:

@@ -24,7 +24,7 @@ Cases (``--case``):
 - ``timing``: 32,000-atom Cu, EMT: time of a step that reuses the decomposition
   against one that rebuilds it.
 - ``distributed``: DistributedAtoms (each rank holds its own atoms). VelocityVerlet,
-  4,000 Cu, EMT, 1,200 K, 2 fs, 200 steps: gathered positions and every per-atom array
+  4,000 Cu, EMT, 1,200 K, 1 fs, 200 steps: gathered positions and every per-atom array
   against the replicated one-rank run, drift, atoms that changed rank; Langevin
   (ase_shard.dynamics) and ASE's Bussi to 600 K: mean T over the second half; ase_shard's
   IsotropicMTKNPT on 864 Cu under tension: volume against ASE's on one rank.
@@ -484,13 +484,13 @@ def case_distributed(table: Table, skin: float) -> None:
     def replicated() -> np.ndarray:
         atoms = start.copy()
         atoms.calc = ShardedCalculator(EMT(), skin=skin, comm=serial_comm())
-        VelocityVerlet(atoms, 2 * units.fs).run(200)
+        VelocityVerlet(atoms, units.fs).run(200)
         return atoms.positions
 
     positions = on_root(replicated)
     atoms = distribute(start)
     atoms.calc = calc = ShardedCalculator(EMT(), skin=skin)
-    dyn = VelocityVerlet(atoms, 2 * units.fs)
+    dyn = VelocityVerlet(atoms, units.fs)
     totals, arrived, held = [], [0], [atoms.get_global_ids()]
 
     def observe() -> None:
@@ -505,7 +505,7 @@ def case_distributed(table: Table, skin: float) -> None:
     elapsed = time.perf_counter() - elapsed
     whole = gather(atoms)
     drift = float(np.abs(np.array(totals) - totals[0]).max() / n)
-    table.add("dist", "NVE: atoms / steps of 2 fs / skin Å", f"{n} / 200 / {skin:g}")
+    table.add("dist", "NVE: atoms / steps of 1 fs / skin Å", f"{n} / 200 / {skin:g}")
     if COMM.is_root:
         error = float(np.abs(whole.positions - positions).max())
         kept = all(

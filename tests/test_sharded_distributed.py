@@ -173,3 +173,12 @@ def test_constraints_are_refused() -> None:
     atoms.set_constraint(FixAtoms(indices=[0]))
     with pytest.raises(ValueError, match="constraints"):
         distribute(atoms if COMM.is_root else None)
+
+
+def test_calculator_on_other_ranks_is_an_error() -> None:
+    if COMM.size == 1:
+        pytest.skip("needs a communicator smaller than the atoms'")
+    local = distribute(thermalised_cu(2, 300.0, seed=1))
+    local.calc = ShardedCalculator(EMT(), comm=serial_comm())
+    with pytest.raises(ValueError, match="give both the same communicator"):
+        local.get_potential_energy()
