@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 from ase import Atoms
+from ase.md.velocitydistribution import force_temperature
 from ase.optimize.optimize import OptimizableAtoms
 from ase.stress import voigt_6_to_full_3x3_stress
 
@@ -350,13 +351,17 @@ def gather(local: DistributedAtoms, *, root: int = 0) -> Atoms | None:
     return atoms
 
 
-def stationary(atoms: DistributedAtoms) -> None:
+def stationary(atoms: DistributedAtoms, preserve_temperature: bool = True) -> None:
     """Remove the total momentum of all atoms (collective).
 
-    ASE's ``ase.md.velocitydistribution.Stationary`` sums the local arrays
-    only; this is its distributed counterpart.
+    The distributed counterpart of ASE's
+    ``ase.md.velocitydistribution.Stationary``, which sums the local arrays
+    only; like it, it then restores the temperature (K) the atoms had.
     """
+    temperature = atoms.get_temperature()
     masses = atoms.get_masses()
     momentum = atoms.get_momenta()
     total = atoms.sum_over_ranks(np.append(momentum.sum(axis=0), masses.sum()))
     atoms.set_momenta(momentum - np.outer(masses, total[:3] / total[3]))
+    if preserve_temperature:
+        force_temperature(atoms, temperature)  # global: it asks the atoms for T and dof

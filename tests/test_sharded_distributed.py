@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from ase import units
 from ase.constraints import FixAtoms
+from ase.md.velocitydistribution import Stationary
 from ase.md.verlet import VelocityVerlet
 from oracles import ase_results, relative_errors
 from sharded import COMM, on_root, random_gas, results, serial_comm, thermalised_cu
@@ -18,7 +19,7 @@ from systems import CASES
 from toy_models import ToyMessagePassing
 
 from ase_shard import ShardedCalculator
-from ase_shard.distributed import DistributedAtoms, distribute, gather
+from ase_shard.distributed import DistributedAtoms, distribute, gather, stationary
 from ase_shard.models import EMT
 from ase_shard.partition import PARTITIONS
 
@@ -182,3 +183,16 @@ def test_calculator_on_other_ranks_is_an_error() -> None:
     local.calc = ShardedCalculator(EMT(), comm=serial_comm())
     with pytest.raises(ValueError, match="give both the same communicator"):
         local.get_potential_energy()
+
+
+def test_stationary_removes_the_total_momentum_of_all_ranks() -> None:
+    """``stationary`` equals ASE's ``Stationary`` on the whole system."""
+    atoms = thermalised_cu(3, 300.0, seed=6)
+    atoms.set_momenta(atoms.get_momenta() + [1.0, -2.0, 0.5])  # a drift to remove
+    local = distribute(atoms if COMM.is_root else None)
+    stationary(local)
+    whole = gather(local)
+    if COMM.is_root:
+        Stationary(atoms)
+        np.testing.assert_allclose(whole.get_momenta(), atoms.get_momenta(), atol=1e-12)
+        assert np.abs(whole.get_momenta().sum(axis=0)).max() < 1e-10
