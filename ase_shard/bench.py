@@ -62,10 +62,10 @@ from ase.md.velocitydistribution import thermalize_momenta
 from ase.md.verlet import VelocityVerlet
 
 import ase_shard
-from ase_shard.block import sum_edge_gradients
+from ase_shard.block import RESULT_COLUMNS, edge_images, sum_edge_gradients
 from ase_shard.calculator import ShardedCalculator
 from ase_shard.comm import Comm
-from ase_shard.graph import LocalGraph
+from ase_shard.graph import EdgeList, LocalGraph, direct_forces
 from ase_shard.models import LennardJones
 from ase_shard.timing import PHASES, PhaseTimer
 
@@ -147,7 +147,9 @@ class BareModel:
     ``ShardedCalculator`` reuses its local lists. Each evaluation forms the
     edge vectors in float64, keeps those within ``cutoff``, runs the model and
     one backward pass, and sums forces and per-atom virials, so it delivers what
-    ``ShardedCalculator`` delivers.
+    ``ShardedCalculator`` delivers. A model with its own compiled forces
+    (:class:`ase_shard.graph.DirectForces`: the built-in potentials) is
+    evaluated through them on a CPU in float64, as ``ShardedCalculator`` does.
 
     Parameters
     ----------
@@ -168,6 +170,7 @@ class BareModel:
         self.device = torch.device(device)
         self.timer = PhaseTimer(self.device, synchronize=True)
         self.pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.images: tuple[np.ndarray, np.ndarray] | None = None  # see block.edge_images
 
     def build(self, atoms: Atoms) -> None:
         """The periodic neighbour list of ``atoms`` within ``cutoff + skin``."""
@@ -179,9 +182,14 @@ class BareModel:
             self.pairs = tuple(
                 torch.as_tensor(a.astype(np.int64), device=self.device) for a in (i, j, shifts)
             )
+            shifted = np.flatnonzero(shifts.any(axis=1))
+            self.images = edge_images(len(i), shifted, shifts[shifted].astype(np.float64))
 
     def evaluate(self, atoms: Atoms) -> dict[str, np.ndarray]:
         """Energy, per-atom energies, forces and virial (eV, eV/Å, eV) of ``atoms``."""
+        direct = direct_forces(self.model)
+        if direct is not None and self.device.type == "cpu" and self.dtype == torch.float64:
+            return self._evaluate_direct(direct, atoms)
         timer, device = self.timer, self.device
         with timer.phase("forward"):
             i, j, shifts = self.pairs
@@ -207,6 +215,25 @@ class BareModel:
                 "virial": rows[:, 3:].sum(dim=0).cpu().numpy(),
             }
         return out
+
+    def _evaluate_direct(self, model, atoms: Atoms) -> dict[str, np.ndarray]:
+        """:meth:`evaluate` by the model's compiled kernel, on the host."""
+        with self.timer.phase("forward"):
+            i, j = self.pairs[0].numpy(), self.pairs[1].numpy()
+            image, table = self.images
+            numbers = atoms.numbers.astype(np.int64)
+            cell = atoms.cell.array
+            edges = EdgeList(
+                atoms.positions, numbers, i, j, image, table @ cell, len(atoms), self.model.cutoff
+            )
+            rows = np.zeros((RESULT_COLUMNS, len(atoms)))
+            model.energy_forces(edges, rows)
+        return {
+            "energy": rows[0].sum(),
+            "energies": rows[0],
+            "forces": rows[1:4].T,
+            "virial": rows[4:].sum(axis=1),
+        }
 
 
 # ----------------------------------------------------------------------- random ML models

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ase_shard.exchange import HaloExchange
-from ase_shard.graph import Hops, LocalGraph
+from ase_shard.graph import EdgeList, Hops, LocalGraph, direct_forces
 from ase_shard.halo import RankRows
 from ase_shard.neighbors import neighbor_pairs
 from ase_shard.padding import Capacities, pad_graph
@@ -122,6 +122,33 @@ def kept_edges_on_device(keep: torch.Tensor, last: torch.Tensor) -> tuple[torch.
     return torch.nonzero_static(keep, size=kept[-1]).squeeze(1), kept
 
 
+def edge_images(
+    n_edges: int, shifted: np.ndarray, shifts: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each edge's periodic image as a row of a small table of image shifts.
+
+    Parameters
+    ----------
+    n_edges : int
+    shifted : (S,) int64 array
+        The edges whose neighbour sits at a periodic image of its node.
+    shifts : (S, 3) float64 array
+        Their image shifts in cells.
+
+    Returns
+    -------
+    image : (n_edges,) int16 or int32 array
+        Each edge's row of ``table``; 0 for the edges not in ``shifted``.
+    table : (m, 3) float64 array
+        The distinct shifts in cells, zero first: ``table @ cell`` are the offsets in Å.
+    """
+    distinct, inverse = np.unique(shifts.reshape(-1, 3), axis=0, return_inverse=True)
+    table = np.concatenate([np.zeros((1, 3)), distinct])
+    image = np.zeros(n_edges, dtype=np.int16 if len(table) <= 2**15 else np.int32)
+    image[shifted] = inverse.reshape(-1) + 1
+    return image, table
+
+
 class LocalBlock:
     """A rank's nodes (owned, then ghosts) and edges valid within the skin.
 
@@ -189,6 +216,10 @@ class LocalBlock:
         self.capacity: Capacities | None = None
         self._shift_cell: np.ndarray | None = None  # cell of the cached offsets
         self._result: torch.Tensor | None = None
+        # a one-layer built-in potential sums its own forces on a CPU (no autograd)
+        on_host = self.device.type == "cpu" and exchange is None and compiled is None
+        self._direct = direct_forces(model) if on_host else None
+        self._columns: np.ndarray | None = None  # the direct path's result
         types = getattr(model, "atomic_types", None)
         self.fill_number = int(min(types)) if types else 1  # padding nodes' element
 
@@ -225,6 +256,10 @@ class LocalBlock:
             shift = image_shift[neighbour_row] - image_shift[self.neighbour]
             self.shifted_edges = shift.any(dim=1).nonzero().squeeze(1)
             self.edge_shift = shift[self.shifted_edges]
+            if self._direct is not None:
+                self._images = edge_images(
+                    centre.shape[0], self.shifted_edges.numpy(), self.edge_shift.numpy()
+                )
 
     def _count_hops(
         self, centre: torch.Tensor, neighbour: torch.Tensor, depth: int
@@ -332,7 +367,16 @@ class LocalBlock:
             between its two atoms. Ghost nodes' columns hold contributions
             that belong to their owners. The storage is reused by the next
             call (on CPU it is the block's own buffer).
+
+        Notes
+        -----
+        A one-layer model with ``energy_forces`` (:class:`ase_shard.graph.DirectForces`,
+        the built-in potentials) computes the columns itself on a CPU in
+        float64 without ``torch.compile``, from the edges listed at the last
+        rebuild: no edge vectors, cutoff filtering or autograd here.
         """
+        if self._direct is not None and dtype == torch.float64 and self.capacity is None:
+            return self._evaluate_direct(node_rows, cell)
         timer = self.timer
         with timer.phase("forward"):
             # copies from the host first: before any kernel is queued they wait for nothing
@@ -393,11 +437,58 @@ class LocalBlock:
             self._result[size + 1] = closest
             host = self._result.cpu()  # the step's one copy to the host (none on CPU)
             total, closest = host[size:].tolist()
-            if closest < self.min_distance**2:
-                self._check_distances(positions, cell)
-            if not np.isfinite(total):
-                self._check_finite(owned_energy, grad, i, j)
-        return host[:size].view(RESULT_COLUMNS, self.n_nodes).numpy()
+            columns = host[:size].view(RESULT_COLUMNS, self.n_nodes).numpy()
+            self._check(columns, total, closest, positions, cell)
+        return columns
+
+    def _evaluate_direct(self, node_rows: np.ndarray, cell: np.ndarray) -> np.ndarray:
+        """:meth:`evaluate` by the model's own compiled kernel (:class:`DirectForces`)."""
+        with self.timer.phase("forward"):
+            positions = np.asarray(node_rows, dtype=np.float64) + self._offsets(cell)[0].numpy()
+            image, shifts = self._images
+            if self._columns is None:
+                self._columns = np.zeros((RESULT_COLUMNS, self.n_nodes))
+            columns = self._columns
+            columns.fill(0.0)
+            edges = EdgeList(
+                positions,
+                self.numbers.numpy(),
+                self.centre.numpy(),
+                self.neighbour.numpy(),
+                image,
+                shifts @ cell,
+                self.n_owned,
+                float(self.model.cutoff),
+            )
+            closest = self._direct.energy_forces(edges, columns)
+        with self.timer.phase("reverse"):
+            self._check(columns, columns.sum(), closest, torch.from_numpy(positions), cell)
+        return columns
+
+    def _check(
+        self,
+        columns: np.ndarray,
+        total: float,
+        closest: float,
+        positions: torch.Tensor,
+        cell: np.ndarray,
+    ) -> None:
+        """Raise for atoms closer than ``min_distance`` or non-finite results.
+
+        ``total`` is the sum of ``columns`` and ``closest`` the shortest listed
+        edge's squared length (Å²): one comparison each in the common case.
+        """
+        if closest < self.min_distance**2:
+            self._check_distances(positions, cell)
+        if np.isfinite(total):
+            return
+        atoms = np.unique(self.ids[~np.isfinite(columns).all(axis=0)])
+        if len(atoms):
+            shown = ", ".join(map(str, atoms[:10])) + (" ..." if len(atoms) > 10 else "")
+            raise FloatingPointError(
+                f"non-finite energy or forces from the model for atoms [{shown}] "
+                f"({len(atoms)} atoms)"
+            )
 
     def _edge_vectors(self, positions: torch.Tensor, cell: np.ndarray) -> torch.Tensor:
         """``(E, 3)`` float64 vectors (Å) of the listed edges, centre to neighbour."""
@@ -431,17 +522,3 @@ class LocalBlock:
             name: torch.as_tensor(value, dtype=torch.float64, device=self.device)
             for name, value in (values or {}).items()
         }
-
-    def _check_finite(self, owned_energy, grad, centre, neighbour) -> None:
-        bad_energy = ~torch.isfinite(owned_energy.detach())
-        bad_edge = ~torch.isfinite(grad).all(dim=1)
-        if bad_energy.any() or bad_edge.any():
-            nodes = torch.cat(
-                [bad_energy.nonzero().squeeze(1), centre[bad_edge], neighbour[bad_edge]]
-            )
-            atoms = np.unique(self.ids[nodes.cpu().numpy()])
-            shown = ", ".join(map(str, atoms[:10])) + (" ..." if len(atoms) > 10 else "")
-            raise FloatingPointError(
-                f"non-finite energy or forces from the model for atoms [{shown}] "
-                f"({len(atoms)} atoms)"
-            )

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 BUILTIN_MODELS = ("emt", "lj", "morse")
 BENCH_MODELS = ("sevennet", "mace", "nequip")  # random-weight models of ase_shard.bench
 NO_EDGE = "no-edge"  # ase_shard.bench.NO_EDGE
+PEERS = ("lammps", "asap3", "torchsim")  # ase_shard.peers.PEERS
 HALOS = ("layer", "full")  # ase_shard.calculator.HALOS
 PARTITIONS = ("spatial", "contiguous")  # ase_shard.partition.PARTITIONS
 DTYPES = ("float64", "float32")
@@ -475,6 +476,15 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
     )
     bench.add_argument("--plot", default="ase-shard-bench.png", help="PNG (needs matplotlib)")
     bench.add_argument("--no-plot", action="store_true", help="write no PNG")
+    bench.add_argument(
+        "--peer",
+        choices=PEERS,
+        help="instead: another code's MD step next to ase_shard's on one rank, one thread "
+        "each, taking turns step by step (lammps and torchsim: LJ argon, default system "
+        "ar-liquid; asap3: EMT, cu-bulk), --reuse-steps + --rebuild-steps steps; prints "
+        "the median of the per-step ratios and writes JSON (default ase-shard-peer.json). "
+        "Optional packages: pip install 'ase-shard[peers]'",
+    )
     bench.set_defaults(run=run_bench)
 
 
@@ -482,6 +492,8 @@ def run_bench(args: argparse.Namespace) -> int:
     """``ase-shard bench``: measure, then rank 0 prints and writes the report."""
     if args.threads is not None and args.threads < 1:
         raise CLIError(f"--threads must be >= 1, not {args.threads}")
+    if args.peer is not None:
+        return _run_peer(args)
     if args.ase_reference and args.framework:
         raise CLIError("--ase-reference does not apply to --framework")
     check_system_args(args)
@@ -563,6 +575,46 @@ def run_bench(args: argparse.Namespace) -> int:
             bench.plot_report(report, args.plot)
             outputs.append(args.plot)
     print(summary + "\n\n  wrote " + ", ".join(outputs), flush=True)
+    return 0
+
+
+def _run_peer(args: argparse.Namespace) -> int:
+    """``ase-shard bench --peer``: :func:`ase_shard.peers.run_peer` on one rank."""
+    if world.size > 1:
+        raise CLIError("--peer runs on one rank: start it without mpirun")
+    if args.framework or args.ase_reference:
+        raise CLIError("--peer does not combine with --framework or --ase-reference")
+    check_system_args(args)
+    import json
+
+    import torch
+
+    from ase_shard import peers
+
+    physics = peers.PEERS[args.peer].model
+    if args.model is not None and args.model != physics:
+        raise CLIError(f"--peer {args.peer} compares {physics}, not {args.model}")
+    try:
+        peers.check_installed(args.peer)
+    except peers.PeerUnavailable as exc:
+        raise CLIError(str(exc)) from None
+    if args.structure is None and args.system is None:
+        args.system = "ar-liquid" if physics == "lj" else "cu-bulk"
+    threads = args.threads or 1
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    atoms, _, label = load_system(args)
+    print(f"ase-shard bench --peer {args.peer}: measuring {label}...", flush=True)
+    try:
+        report = peers.run_peer(
+            atoms, args.peer, args.reuse_steps + args.rebuild_steps, skin=args.skin, seed=args.seed
+        )
+    except peers.PeerUnavailable as exc:
+        raise CLIError(str(exc)) from None
+    path = args.json or "ase-shard-peer.json"
+    with open(path, "w") as file:
+        json.dump({**report, "labels": {"system": label}}, file, indent=1)
+    print(peers.format_peer_summary(report, label) + f"\n\n  wrote {path}", flush=True)
     return 0
 
 

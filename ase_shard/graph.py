@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 
@@ -139,6 +140,69 @@ class ShardModel(Protocol):
     atomic_types: Sequence[int] | None
 
     def __call__(self, graph: LocalGraph) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class EdgeList:
+    """A block's listed edges, on the host in float64, for models that sum their own forces.
+
+    The edges are those of the last rebuild (every pair within ``cutoff +
+    skin``), all centred on owned nodes, both directions of a pair between two
+    of them, in no particular order; a model keeps those shorter than
+    ``cutoff``.
+
+    Attributes
+    ----------
+    positions : (n, 3) float64 array
+        Node positions in Å (owned nodes first, then ghosts).
+    numbers : (n,) int64 array
+    centre, neighbour : (E,) int64 arrays
+    image : (E,) int16 or int32 array
+        Each edge's periodic image of its neighbour, a row of ``offsets``.
+    offsets : (m, 3) float64 array
+        Image offsets in Å: edge ``e``'s vector is
+        ``positions[neighbour[e]] - positions[centre[e]] + offsets[image[e]]``.
+    n_owned : int
+    cutoff : float
+        Å: edges this long or longer are left out.
+    """
+
+    positions: np.ndarray
+    numbers: np.ndarray
+    centre: np.ndarray
+    neighbour: np.ndarray
+    image: np.ndarray
+    offsets: np.ndarray
+    n_owned: int
+    cutoff: float
+
+
+class DirectForces(Protocol):
+    """Optional for one-layer models: energies, forces and virials without autograd.
+
+    ``energy_forces(edges, out)`` adds, for the edges of ``edges`` shorter than
+    ``edges.cutoff``, the owned nodes' energies (eV, row 0), the forces (eV/Å,
+    rows 1-3) and the virials (eV, rows 4-9, Voigt xx yy zz yz xz xy) to the
+    zeroed ``(10, n)`` float64 array ``out``, and returns the smallest squared
+    length (Å²) among all the listed edges (``inf`` without edges), for the
+    calculator's distance check. Sums over ranks must equal the autograd
+    path's: each edge ``(i, j)`` with ``g = dE_i/dd`` gives ``+g`` to ``i``'s
+    force and ``-g`` to ``j``'s, and ``sym(d ⊗ g) / 2`` to each one's virial; a
+    pair potential may move a pair's contributions to the node they belong to
+    instead, as both directions are listed on the ranks of their centres.
+    ``ShardedCalculator`` uses it on CPU in float64, without ``torch.compile``
+    and with one layer; anywhere else, and for ``forward``, the model's
+    autograd path counts. The built-in potentials have it (``ase_shard.kernels``).
+    """
+
+    def energy_forces(self, edges: EdgeList, out: np.ndarray) -> float: ...
+
+
+def direct_forces(model: ShardModel) -> DirectForces | None:
+    """The model when it computes its own forces (:class:`DirectForces`), else ``None``."""
+    if int(model.num_layers) == 1 and callable(getattr(model, "energy_forces", None)):
+        return model
+    return None
 
 
 def supports_layer_halo(model: ShardModel) -> bool:

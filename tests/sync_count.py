@@ -328,6 +328,20 @@ def split_reuse_step(
     return results, steps
 
 
+class Autograd(torch.nn.Module):
+    """``model`` without ``energy_forces``: the block takes the autograd path, the one
+    devices take (on a CPU the built-in potentials' compiled kernels sync nothing)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+        self.cutoff, self.num_layers = model.cutoff, model.num_layers
+        self.atomic_types = model.atomic_types
+
+    def forward(self, graph):
+        return self.model(graph)
+
+
 class WithoutHops(torch.nn.Module):
     """``model`` given its graphs without ``hops``, as ``torch.compile``'s padded ones are."""
 

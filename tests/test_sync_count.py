@@ -18,7 +18,13 @@ import numpy as np
 import pytest
 import torch
 from sharded import thermalised_cu
-from sync_count import assert_block_syncs_only, assert_split_equals_whole, count_syncs, reuse_step
+from sync_count import (
+    Autograd,
+    assert_block_syncs_only,
+    assert_split_equals_whole,
+    count_syncs,
+    reuse_step,
+)
 from toy_models import ToyMessagePassing
 
 from ase_shard import ShardedCalculator
@@ -131,7 +137,11 @@ def test_hop_counts() -> None:
 
 
 def _models() -> dict:
-    return {"emt": EMT, "toy": lambda: ToyMessagePassing(cutoff=3.0, num_layers=3)}
+    # EMT through autograd: the path a device takes (see sync_count.Autograd)
+    return {
+        "emt": lambda: Autograd(EMT()),
+        "toy": lambda: ToyMessagePassing(cutoff=3.0, num_layers=3),
+    }
 
 
 @pytest.mark.parametrize("halo", ["layer", "full"])

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from ase_shard.graph import LocalGraph
+from ase_shard.graph import EdgeList, LocalGraph
 
 
 class LennardJones(torch.nn.Module):
@@ -67,3 +68,19 @@ class LennardJones(torch.nn.Module):
             pair = pair - e_rc
         energies = vectors.new_zeros(graph.n_atoms)
         return energies.index_add(0, graph.edge_index[0], 0.5 * pair)
+
+    def energy_forces(self, edges: EdgeList, out: np.ndarray) -> float:
+        """Energies (eV), forces (eV/Å) and virials (eV) by a compiled kernel.
+
+        See :class:`ase_shard.graph.DirectForces`; returns the shortest listed
+        edge's squared length (Å²).
+        """
+        from ase_shard import kernels
+
+        if self.smooth:
+            kind, params = kernels.LJ_SMOOTH, [self.rc**2, self.ro**2]
+        else:
+            ratio = self.sigma / self.rc
+            kind, params = kernels.LJ_SHIFTED, [4.0 * self.epsilon * (ratio**12 - ratio**6)]
+        params = np.array([self.sigma, self.epsilon, *params])
+        return kernels.pair_forces(kind, params, edges, out)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from ase_shard.graph import LocalGraph
+from ase_shard.graph import EdgeList, LocalGraph
 
 
 class Morse(torch.nn.Module):
@@ -58,3 +59,14 @@ class Morse(torch.nn.Module):
         switch = torch.where(s >= 1.0, torch.ones_like(s), quintic)
         energies = vectors.new_zeros(graph.n_atoms)
         return energies.index_add(0, graph.edge_index[0], 0.5 * pair * switch)
+
+    def energy_forces(self, edges: EdgeList, out: np.ndarray) -> float:
+        """Energies (eV), forces (eV/Å) and virials (eV) by a compiled kernel.
+
+        See :class:`ase_shard.graph.DirectForces`; returns the shortest listed
+        edge's squared length (Å²).
+        """
+        from ase_shard import kernels
+
+        params = np.array([self.epsilon, self.r0, self.rho0, self.r_on, self.r_off])
+        return kernels.pair_forces(kernels.MORSE, params, edges, out)

@@ -1,0 +1,309 @@
+"""Compiled CPU kernels of the built-in potentials: energies, forces and virials (numba).
+
+The kernels walk a block's listed edges (every pair within ``cutoff + skin``
+at the last rebuild), form each edge vector from the node positions, skip the
+edges beyond the cutoff and sum the energy, force and virial of the rest into
+the block's ``(10, n_nodes)`` result columns (see
+:meth:`ase_shard.block.LocalBlock.evaluate` and
+:class:`ase_shard.graph.DirectForces`): no autograd, no edge vectors kept. The
+formulas are those of the torch models in :mod:`ase_shard.models`, whose
+derivatives are written out here.
+
+Pair potentials (one pass) use the full list's symmetry: both directions of
+every pair within the cutoff are listed on the ranks that own their centres
+(the halo holds every atom within ``cutoff + skin`` of an owned one), and a
+pair's force on each end comes from the edge centred there. So each edge adds
+``2 g`` (``g = dE_centre/dd``) to its centre's force and the whole ``d ⊗ g``
+to its centre's virial, and nothing to its neighbour: the halves the reverse
+edge would have added. Ghost columns stay zero.
+
+EMT (two passes): the energy of a centre depends on its density, so its edges
+also give ``-g`` and half the virial to their neighbours, as the autograd path
+does. A pair of owned atoms is taken once for both directions (its exponentials
+serve both densities), an edge to a ghost or to an image of its own centre for
+itself. The first pass sums the densities and keeps three numbers per pair
+taken; the second, once every owned atom's ``dE/dsigma1`` is known, sums the
+forces and virials.
+
+Compiled on first use and cached on disk by numba (``cache=True``); this
+module is imported only by models that are evaluated through it. Divisions
+follow numpy's rules (``error_model="numpy"``): coincident atoms give
+non-finite numbers, which the block reports, rather than an exception here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+from ase_shard.graph import EdgeList
+from ase_shard.models.emt import (
+    _E0,
+    _ETA2,
+    _INV12GAMMA1,
+    _KAPPA,
+    _LAMBDA,
+    _N0,
+    _NEGHALFV0OVERGAMMA2,
+    _S0,
+    _V0,
+)
+
+# pair forms of :func:`pair_forces`
+LJ_SHIFTED, LJ_SMOOTH, MORSE = 0, 1, 2
+
+
+def pair_forces(kind: int, params: np.ndarray, edges: EdgeList, out: np.ndarray) -> float:
+    """Add a pair potential's per-node energies, forces and virials to ``out``.
+
+    Parameters
+    ----------
+    kind : int
+        :data:`LJ_SHIFTED` (``params``: sigma Å, epsilon eV, ``u(rc)`` eV),
+        :data:`LJ_SMOOTH` (sigma, epsilon, ``rc**2`` and ``ro**2`` in Å²) or
+        :data:`MORSE` (epsilon eV, r0 Å, rho0, r_on Å, r_off Å).
+    params : (k,) float64 array
+    edges : EdgeList
+        Every edge centred on an owned node.
+    out : (10, n_nodes) float64 array
+        Per-node energy (eV, owned nodes), force (eV/Å, 3 rows) and virial
+        (eV, Voigt xx yy zz yz xz xy), added to.
+
+    Returns
+    -------
+    float
+        The smallest squared length (Å²) among all listed edges (``inf`` for none).
+    """
+    return _pair_forces(kind, params, edges.cutoff**2, *_arrays(edges), edges.n_owned, out)
+
+
+def emt_forces(
+    table: np.ndarray, rc: float, acut: float, beta: float, edges: EdgeList, out: np.ndarray
+) -> float:
+    """Add EMT's per-node energies, forces and virials to ``out``.
+
+    Parameters
+    ----------
+    table : (119, 9) float64 array
+        Per-element parameters (:func:`ase_shard.models.emt._parameter_table`).
+    rc, acut, beta : float
+        The logistic cutoff's midpoint (Å) and slope (1/Å), and EMT's ``beta``.
+    edges, out
+        As in :func:`pair_forces`.
+
+    Returns
+    -------
+    float
+        The smallest squared length (Å²) among all listed edges (``inf`` for none).
+    """
+    numbers = np.ascontiguousarray(edges.numbers, dtype=np.int64)
+    return _emt_forces(
+        table, rc, acut, beta, edges.cutoff**2, numbers, *_arrays(edges), edges.n_owned, out
+    )
+
+
+def _arrays(edges: EdgeList) -> tuple[np.ndarray, ...]:
+    """The edge list's arrays in the kernels' types, contiguous."""
+    return (
+        np.ascontiguousarray(edges.positions, dtype=np.float64),
+        np.ascontiguousarray(edges.centre, dtype=np.int64),
+        np.ascontiguousarray(edges.neighbour, dtype=np.int64),
+        np.ascontiguousarray(edges.image),
+        np.ascontiguousarray(edges.offsets, dtype=np.float64).reshape(-1, 3),
+    )
+
+
+@numba.njit(cache=True, error_model="numpy", inline="always")
+def _edge(e, positions, centre, neighbour, image, offsets):  # pragma: no cover - compiled
+    """Edge ``e``'s vector (Å)."""
+    i, j, m = centre[e], neighbour[e], image[e]
+    return (
+        positions[j, 0] - positions[i, 0] + offsets[m, 0],
+        positions[j, 1] - positions[i, 1] + offsets[m, 1],
+        positions[j, 2] - positions[i, 2] + offsets[m, 2],
+    )
+
+
+@numba.njit(cache=True, error_model="numpy", inline="always")
+def _add_virial(rows, node, c, dx, dy, dz):  # pragma: no cover - compiled
+    """``c d ⊗ d`` into ``node``'s virial columns 4-9 of node-major sums (Voigt)."""
+    rows[node, 4] += c * dx * dx
+    rows[node, 5] += c * dy * dy
+    rows[node, 6] += c * dz * dz
+    rows[node, 7] += c * dy * dz
+    rows[node, 8] += c * dx * dz
+    rows[node, 9] += c * dx * dy
+
+
+@numba.njit(cache=True, error_model="numpy", inline="always")
+def _pair(kind, params, r2):  # pragma: no cover - compiled
+    """Pair energy (eV) and its derivative w.r.t. ``r**2`` (eV/Å²)."""
+    if kind == MORSE:
+        epsilon, r0, rho0, r_on, r_off = params[0], params[1], params[2], params[3], params[4]
+        r = math.sqrt(r2)
+        expf = math.exp(rho0 * (1.0 - r / r0))
+        energy = epsilon * expf * (expf - 2.0)
+        denergy = -2.0 * epsilon * rho0 / r0 * expf * (expf - 1.0)
+        s = 1.0 - (r - r_on) / (r_off - r_on)
+        if s < 1.0:
+            switch = s * s * s * (6.0 * s * s - 15.0 * s + 10.0)
+            dswitch = -30.0 * s * s * (s - 1.0) * (s - 1.0) / (r_off - r_on)
+            denergy = denergy * switch + energy * dswitch
+            energy *= switch
+        return energy, denergy / (2.0 * r)
+    sigma, epsilon = params[0], params[1]
+    c6 = sigma * sigma / r2
+    c6 = c6 * c6 * c6
+    energy = 4.0 * epsilon * (c6 * c6 - c6)
+    denergy = -12.0 * epsilon * (2.0 * c6 * c6 - c6) / r2
+    if kind == LJ_SHIFTED:
+        return energy - params[2], denergy
+    rc2, ro2 = params[2], params[3]
+    if r2 < ro2:
+        return energy, denergy
+    scale = 1.0 / ((rc2 - ro2) * (rc2 - ro2) * (rc2 - ro2))
+    switch = (rc2 - r2) * (rc2 - r2) * (rc2 + 2.0 * r2 - 3.0 * ro2) * scale
+    dswitch = -6.0 * (rc2 - r2) * (r2 - ro2) * scale
+    return energy * switch, denergy * switch + energy * dswitch
+
+
+@numba.njit(cache=True, error_model="numpy")
+def _pair_forces(  # pragma: no cover - compiled
+    kind, params, cutoff2, positions, centre, neighbour, image, offsets, n_owned, out
+):
+    closest = np.inf
+    run = -1  # the centre of the current run of edges, whose sums ``acc`` holds
+    acc = np.zeros((1, 10))
+    for e in range(centre.shape[0]):
+        dx, dy, dz = _edge(e, positions, centre, neighbour, image, offsets)
+        r2 = dx * dx + dy * dy + dz * dz
+        closest = min(closest, r2)
+        if r2 >= cutoff2:
+            continue
+        if centre[e] != run:
+            _flush(out, run, n_owned, acc)
+            run = centre[e]
+        pair, dpair = _pair(kind, params, r2)
+        # dE_centre/dd = 0.5 pair'(r2) 2 d; the centre takes both edges' halves
+        acc[0, 0] += 0.5 * pair
+        acc[0, 1] += 2.0 * dpair * dx
+        acc[0, 2] += 2.0 * dpair * dy
+        acc[0, 3] += 2.0 * dpair * dz
+        _add_virial(acc, 0, dpair, dx, dy, dz)
+    _flush(out, run, n_owned, acc)
+    return closest
+
+
+@numba.njit(cache=True, error_model="numpy", inline="always")
+def _flush(out, node, n_owned, acc):  # pragma: no cover - compiled
+    """Add one centre's sums to its columns and clear them (``node < 0``: none yet)."""
+    if node >= 0:
+        if node < n_owned:
+            out[0, node] += acc[0, 0]
+        for k in range(1, 10):
+            out[k, node] += acc[0, k]
+    acc[:] = 0.0
+
+
+@numba.njit(cache=True, error_model="numpy")
+def _emt_forces(  # pragma: no cover - compiled
+    table, rc, acut, beta, cutoff2, numbers, positions, centre, neighbour, image, offsets,
+    n_owned, out,
+):
+    # Each pair once: the edge (i, j) with i < j between two owned nodes stands
+    # for both directions (the reverse one is skipped); an edge to a ghost or to
+    # an image of its own centre stands for itself.
+    n_nodes = positions.shape[0]
+    inverse_n0 = 1.0 / table[:, _N0]  # divisions are slow: one per element, not per edge
+    inverse_beta = 1.0 / beta
+    sigma1 = np.zeros(n_nodes)  # the densities
+    sphere = np.zeros(n_nodes)  # the pair sums sigma2, as energies
+    # per edge taken: d(density w)/dr / r seen from the centre and from the
+    # neighbour, and 0.5 d(pair w)/dr / r (the same seen from either end)
+    terms = np.empty((centre.shape[0], 3))
+    closest = np.inf
+    taken = 0
+    for e in range(centre.shape[0]):
+        i, j = centre[e], neighbour[e]
+        if j < i and j < n_owned:
+            continue
+        dx, dy, dz = _edge(e, positions, centre, neighbour, image, offsets)
+        r2 = dx * dx + dy * dy + dz * dz
+        closest = min(closest, r2)
+        if r2 >= cutoff2:
+            continue
+        r = math.sqrt(r2)
+        zi, zj = numbers[i], numbers[j]
+        u = math.exp(acut * (r - rc))
+        w = 1.0 / (1.0 + u)
+        dw = -acut * u * w * w
+        chi = table[zj, _N0] * inverse_n0[zi]
+        density = math.exp(-table[zj, _ETA2] * (r - beta * table[zj, _S0])) * chi
+        r_beta = r * inverse_beta
+        es = table[zi, _NEGHALFV0OVERGAMMA2] * chi * math.exp(
+            -table[zj, _KAPPA] * (r_beta - table[zj, _S0])
+        )
+        if zi == zj:
+            eo = es  # chi is 1
+        else:
+            eo = table[zj, _NEGHALFV0OVERGAMMA2] / chi * math.exp(
+                -table[zi, _KAPPA] * (r_beta - table[zi, _S0])
+            )
+        pair = es + eo
+        dpair = (table[zj, _KAPPA] * es + table[zi, _KAPPA] * eo) * inverse_beta * w
+        sigma1[i] += density * w
+        sphere[i] += pair * w
+        terms[taken, 0] = density * (dw - table[zj, _ETA2] * w) / r
+        terms[taken, 2] = 0.5 * (pair * dw - dpair) / r
+        if j < n_owned and j != i:
+            if zi != zj:
+                density = math.exp(-table[zi, _ETA2] * (r - beta * table[zi, _S0])) / chi
+            sigma1[j] += density * w
+            sphere[j] += pair * w
+            terms[taken, 1] = density * (dw - table[zi, _ETA2] * w) / r
+        taken += 1
+
+    # each owned node's energy and dE/dsigma1 (none without neighbours)
+    dcohesive = np.zeros(n_nodes)
+    for i in range(n_owned):
+        z = numbers[i]
+        out[0, i] += 0.5 * sphere[i] - table[z, _E0]
+        if sigma1[i] > 0.0:
+            e0, lmbda, kappa = table[z, _E0], table[z, _LAMBDA], table[z, _KAPPA]
+            scale = beta * table[z, _ETA2]
+            ds = -math.log(sigma1[i] * table[z, _INV12GAMMA1]) / scale
+            lambda_term = math.exp(-lmbda * ds)
+            kappa_term = 6.0 * table[z, _V0] * math.exp(-kappa * ds)
+            out[0, i] += e0 * (1.0 + lmbda * ds) * lambda_term + kappa_term
+            dcohesive_dds = -e0 * lmbda * lmbda * ds * lambda_term - kappa * kappa_term
+            dcohesive[i] = -dcohesive_dds / (scale * sigma1[i])
+
+    # forces and virials: dE_i/dd = c d gives +c d to i, -c d to j and c d (x) d
+    # halved to each; a pair taken for both directions adds the reverse edge's c
+    rows = np.zeros((n_nodes, 10))  # one node's sums together: one or two cache lines
+    taken = 0
+    for e in range(centre.shape[0]):
+        i, j = centre[e], neighbour[e]
+        if j < i and j < n_owned:
+            continue
+        dx, dy, dz = _edge(e, positions, centre, neighbour, image, offsets)
+        if dx * dx + dy * dy + dz * dz >= cutoff2:
+            continue
+        c = dcohesive[i] * terms[taken, 0] + terms[taken, 2]
+        if j < n_owned and j != i:
+            c += dcohesive[j] * terms[taken, 1] + terms[taken, 2]
+        taken += 1
+        rows[i, 1] += c * dx
+        rows[i, 2] += c * dy
+        rows[i, 3] += c * dz
+        rows[j, 1] -= c * dx
+        rows[j, 2] -= c * dy
+        rows[j, 3] -= c * dz
+        _add_virial(rows, i, 0.5 * c, dx, dy, dz)
+        _add_virial(rows, j, 0.5 * c, dx, dy, dz)
+    for node in range(n_nodes):
+        for k in range(1, 10):
+            out[k, node] += rows[node, k]
+    return closest

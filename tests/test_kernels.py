@@ -1,0 +1,175 @@
+"""The compiled kernels of the built-in potentials (``ase_shard.kernels``), serially.
+
+``ShardedCalculator`` on a CPU in float64 evaluates LJ, Morse and EMT through
+their ``energy_forces`` (no autograd). The oracles: ASE's own calculators, and
+the same model through the autograd path (the model wrapped so that it has no
+``energy_forces``), on one block and on three ranks' blocks built in one
+process, whose ghost columns carry what belongs to other ranks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from ase import Atoms
+from ase.build import bulk
+from oracles import ase_results, rel_err, relative_errors
+from sync_count import Autograd, split_reuse_step
+from systems import AR, CASES, MORSE_CU
+
+from ase_shard import ShardedCalculator
+from ase_shard.block import RESULT_COLUMNS
+from ase_shard.comm import Comm
+from ase_shard.graph import EdgeList, direct_forces
+from ase_shard.models import EMT, LennardJones, Morse
+
+pytestmark = pytest.mark.skipif(Comm().size > 1, reason="serial: one process plays every rank")
+
+RTOL_ASE = 1e-10
+# the kernels and autograd differ in the order of their sums only
+RTOL_AUTOGRAD = 1e-12
+PROPERTIES = ("energy", "energies", "forces", "stress", "stresses")
+
+
+def _results(model: torch.nn.Module, atoms: Atoms) -> dict[str, np.ndarray]:
+    atoms = atoms.copy()
+    atoms.calc = calc = ShardedCalculator(model)
+    names = PROPERTIES if atoms.cell.rank == 3 else ("energy", "energies", "forces")
+    out = {name: np.asarray(calc.get_property(name, atoms)) for name in names}
+    assert (calc._block._direct is not None) == (direct_forces(model) is not None)
+    return out
+
+
+def test_the_built_in_potentials_declare_it() -> None:
+    for model in (LennardJones(), Morse(), EMT()):
+        assert direct_forces(model) is model
+    assert direct_forces(Autograd(EMT())) is None
+
+
+@pytest.mark.parametrize("case_name", sorted(CASES))
+def test_equals_ase_and_autograd(case_name: str) -> None:
+    """Every test system (small cells with self-images, triclinic, slab, cluster with a
+    lone atom, molecules without a cell): ASE's numbers and the autograd path's."""
+    case = CASES[case_name]
+    atoms = case.make_atoms()
+    got = _results(case.make_model(), atoms)
+    errors = relative_errors(got, ase_results(case.make_ase_calc(), atoms, case.has_stresses))
+    assert max(errors.values()) <= RTOL_ASE, errors
+    errors = relative_errors(got, _results(Autograd(case.make_model()), atoms))
+    assert max(errors.values()) <= RTOL_AUTOGRAD, errors
+
+
+def _mixed_pbc_cu() -> Atoms:
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat((3, 2, 2))
+    atoms.pbc = (True, False, True)
+    atoms.rattle(0.08, seed=3)
+    atoms.numbers[::5] = 79  # Au: an alloy, so the two ends of a pair differ
+    return atoms
+
+
+def _split_cases() -> dict[str, tuple]:
+    ar = bulk("Ar", "fcc", a=5.26, cubic=True).repeat(3)
+    ar.rattle(0.1, seed=2)
+    cu = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(3)
+    cu.rattle(0.08, seed=1)
+    return {
+        "lj": (lambda: LennardJones(**AR), ar),
+        "lj_smooth": (lambda: LennardJones(**AR, smooth=True), ar),
+        "morse": (lambda: Morse(**MORSE_CU), cu),
+        "emt": (EMT, cu),
+        "emt_alloy_mixed_pbc": (EMT, _mixed_pbc_cu()),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_split_cases()))
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_blocks_equal_autograd(name: str, ranks: int) -> None:
+    """Each rank's block on its own (owned and ghost columns), summed per atom as the
+    calculator does: the kernels put a pair's force on the node it belongs to, the
+    autograd path half on each end, and the sums agree."""
+    make_model, atoms = _split_cases()[name]
+    kernel, blocks = split_reuse_step(make_model(), atoms, ranks)
+    autograd, _ = split_reuse_step(Autograd(make_model()), atoms, ranks)
+    assert all(block._direct is not None for block, _ in blocks)
+    assert ranks == 1 or all(block.n_nodes > block.n_owned for block, _ in blocks)
+    for rows in (slice(0, 1), slice(1, 4), slice(4, None)):  # energies, forces, virials
+        assert rel_err(kernel[:, rows], autograd[:, rows]) <= RTOL_AUTOGRAD
+
+
+def _edges(n_nodes: int, n_owned: int, centre=(), neighbour=(), cutoff: float = 5.0) -> EdgeList:
+    rng = np.random.default_rng(0)
+    return EdgeList(
+        positions=rng.uniform(0.0, 3.0, (n_nodes, 3)),
+        numbers=np.full(n_nodes, 29, dtype=np.int64),
+        centre=np.asarray(centre, dtype=np.int64),
+        neighbour=np.asarray(neighbour, dtype=np.int64),
+        image=np.zeros(len(centre), dtype=np.int16),
+        offsets=np.zeros((1, 3)),
+        n_owned=n_owned,
+        cutoff=cutoff,
+    )
+
+
+@pytest.mark.parametrize("model", [LennardJones(), Morse(), EMT()], ids=["lj", "morse", "emt"])
+def test_empty_block_and_lone_atoms(model: torch.nn.Module) -> None:
+    """No nodes; nodes without edges (EMT: -E0 each); edges all beyond the cutoff."""
+    out = np.zeros((RESULT_COLUMNS, 0))
+    assert model.energy_forces(_edges(0, 0), out) == np.inf
+    out = np.zeros((RESULT_COLUMNS, 3))
+    assert model.energy_forces(_edges(3, 2), out) == np.inf
+    lone = -EMT().table[29, 0].item() if isinstance(model, EMT) else 0.0
+    np.testing.assert_array_equal(out[0], [lone, lone, 0.0])
+    assert not out[1:].any()
+    far = _edges(2, 2, centre=[0, 1], neighbour=[1, 0], cutoff=1e-3)
+    out = np.zeros((RESULT_COLUMNS, 2))
+    closest = model.energy_forces(far, out)
+    assert closest == pytest.approx(np.sum((far.positions[1] - far.positions[0]) ** 2))
+    np.testing.assert_array_equal(out[0], [lone, lone])
+    assert not out[1:].any()
+
+
+def test_emt_lone_atom_through_the_calculator() -> None:
+    """An atom far from the others: EMT's energy -E0 (3.80 eV for Au), no force."""
+    atoms = CASES["au_cluster_emt"].make_atoms()
+    atoms.calc = ShardedCalculator(EMT())
+    assert atoms.get_potential_energies()[-1] == pytest.approx(3.80, abs=1e-12)
+    assert not atoms.get_forces()[-1].any()
+
+
+def test_float32_takes_the_autograd_path() -> None:
+    case = CASES["alloy_emt"]
+    atoms = case.make_atoms()
+    model = EMT()
+
+    def not_in_float32(edges: EdgeList, out: np.ndarray) -> float:
+        raise AssertionError("the kernel ran in float32")
+
+    model.energy_forces = not_in_float32
+    atoms.calc = ShardedCalculator(model, dtype=torch.float32)
+    reference = ase_results(case.make_ase_calc(), atoms)
+    assert rel_err(atoms.get_forces(), reference["forces"]) < 5e-5  # test_models.RTOL32
+
+
+def test_min_distance_sees_the_kernels_shortest_edge() -> None:
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(2)
+    atoms.positions[1] = atoms.positions[0] + [0.3, 0.0, 0.0]
+    atoms.calc = ShardedCalculator(EMT(), min_distance=0.5)
+    with pytest.raises(ValueError, match="closer than min_distance"):
+        atoms.get_potential_energy()
+
+
+def test_non_finite_kernel_output_names_the_atoms() -> None:
+    atoms = CASES["ar_triclinic_lj"].make_atoms()
+    model = LennardJones(**AR)
+    kernel = model.energy_forces
+
+    def poisoned(edges: EdgeList, out: np.ndarray) -> float:
+        closest = kernel(edges, out)
+        out[2, 1] = np.nan
+        return closest
+
+    model.energy_forces = poisoned
+    atoms.calc = ShardedCalculator(model)
+    with pytest.raises(FloatingPointError, match=r"non-finite .* for atoms \[\d+\] \(1 atoms\)"):
+        atoms.get_forces()
