@@ -740,7 +740,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     devices = setup.comm.allgather(str(calculator(setup, setup.models["EMT"]).device))
     rows, seconds = run_checks(setup)
-    if args.compare is not None and args.compare.exists():
+    # rank 0 alone prints and reports the rows, so it alone reads the other run's report
+    if args.compare is not None and setup.comm.is_root and args.compare.exists():
         rows += compared(rows, args.compare)
     failed = setup.comm.any(any(row.verdict == "FAIL" for row in rows))
     if setup.comm.is_root:

@@ -6,6 +6,12 @@ prints ``ready``, and checks the exit status, the time from the injected fault
 (the ``fault`` line) to the end of the job, and that every process of the tree
 is gone. Run by plain pytest (``make test``'s serial step); docs/reliability.md
 lists the outcomes and times.
+
+The launches are independent process trees, so the module starts those of the
+selected tests :data:`AT_ONCE` at a time (:func:`launches`): a job spends part of
+its time starting up, waiting for a timeout or being torn down, and the other
+core of a 2-core machine runs the next job meanwhile. Each test then checks the
+outcome of its own launch.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +40,7 @@ RANKS = 2
 # measured 0.3-5 s on a loaded 2-core machine
 BOUND_S = 45.0
 TIMEOUT_S = 150
+AT_ONCE = 2  # launches running at the same time
 
 pytestmark = [
     pytest.mark.timeout(TIMEOUT_S + 60),
@@ -129,21 +138,66 @@ def assert_job_ended(outcome: Outcome) -> None:
     assert not outcome.leftovers, outcome.leftovers
 
 
+def spawn(mode: str) -> Outcome:
+    """``tests/fault_scripts/spawn.py MODE`` in a plain Python (it spawns its workers)."""
+    return launch(sys.executable, str(SCRIPTS / "spawn.py"), mode)
+
+
+# every launch, by the name of the test that checks it
+CASES: dict[str, Callable[[], Outcome]] = {
+    "test_dying_rank_ends_the_job[kill]": lambda: mpirun("spmd.py", "kill"),
+    "test_dying_rank_ends_the_job[raise]": lambda: mpirun("spmd.py", "raise"),
+    "test_sys_exit_on_one_rank_under_mpi4py_runner": lambda: mpirun(
+        "spmd.py", "sysexit", python=("-m", "mpi4py")
+    ),
+    "test_serve_fault_ends_the_job[kill]": lambda: mpirun("serve.py", "kill"),
+    "test_serve_fault_ends_the_job[raise]": lambda: mpirun("serve.py", "raise"),
+    "test_serve_fault_ends_the_job[worker-kill]": lambda: mpirun("serve.py", "worker-kill"),
+    "test_spawn_fault_leaves_no_workers[kill]": lambda: spawn("kill"),
+    "test_spawn_fault_leaves_no_workers[raise]": lambda: spawn("raise"),
+    "test_spawn_fault_leaves_no_workers[worker-kill]": lambda: spawn("worker-kill"),
+    "test_spawn_model_the_workers_cannot_load": lambda: spawn("bad-model"),
+    # a hang fails fast
+    "test_ranks_diverge_after_a_cached_call": lambda: mpirun("spmd.py", "diverge", timeout=60),
+    "test_atom_a_billion_angstrom_away": lambda: mpirun("spmd.py", "far-atom", timeout=60),
+    "test_error_on_every_rank_is_reported_once": lambda: mpirun("spmd.py", "overlap", timeout=60),
+    "test_error_caught_on_one_rank_still_ends_the_job": lambda: mpirun(
+        "spmd.py", "overlap-caught", timeout=90
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def launches(request) -> dict[str, Future]:
+    """The launches of the selected tests of this module, :data:`AT_ONCE` at a time,
+    started in the order the tests run."""
+    module = request.module
+    names = [
+        item.name for item in request.session.items if getattr(item, "module", None) is module
+    ]
+    with ThreadPoolExecutor(max_workers=AT_ONCE) as pool:
+        yield {name: pool.submit(CASES[name]) for name in names if name in CASES}
+
+
+@pytest.fixture
+def outcome(request, launches: dict[str, Future]) -> Outcome:
+    """The outcome of this test's launch."""
+    return launches[request.node.name].result()
+
+
 # -- 5: a rank dies while the others wait in a collective -----------------------------
 
 
 @pytest.mark.parametrize("mode", ["kill", "raise"])
-def test_dying_rank_ends_the_job(mode: str) -> None:
-    outcome = mpirun("spmd.py", mode)
+def test_dying_rank_ends_the_job(mode: str, outcome: Outcome) -> None:
     assert_job_ended(outcome)
     if mode == "raise":
         assert f"uncaught RuntimeError on MPI rank {RANKS - 1} of {RANKS}" in outcome.output
         assert "RuntimeError: injected failure" in outcome.output
 
 
-def test_sys_exit_on_one_rank_under_mpi4py_runner() -> None:
+def test_sys_exit_on_one_rank_under_mpi4py_runner(outcome: Outcome) -> None:
     """``sys.exit(n)`` skips excepthooks; ``python -m mpi4py`` turns it into an abort."""
-    outcome = mpirun("spmd.py", "sysexit", python=("-m", "mpi4py"))
     assert_job_ended(outcome)
 
 
@@ -151,17 +205,16 @@ def test_sys_exit_on_one_rank_under_mpi4py_runner() -> None:
 
 
 @pytest.mark.parametrize("mode", ["kill", "raise", "worker-kill"])
-def test_serve_fault_ends_the_job(mode: str) -> None:
-    assert_job_ended(mpirun("serve.py", mode))
+def test_serve_fault_ends_the_job(mode: str, outcome: Outcome) -> None:
+    assert_job_ended(outcome)
 
 
 @pytest.mark.parametrize("mode", ["kill", "raise", "worker-kill"])
-def test_spawn_fault_leaves_no_workers(mode: str) -> None:
-    assert_job_ended(launch(sys.executable, str(SCRIPTS / "spawn.py"), mode))
+def test_spawn_fault_leaves_no_workers(mode: str, outcome: Outcome) -> None:
+    assert_job_ended(outcome)
 
 
-def test_spawn_model_the_workers_cannot_load() -> None:
-    outcome = launch(sys.executable, str(SCRIPTS / "spawn.py"), "bad-model")
+def test_spawn_model_the_workers_cannot_load(outcome: Outcome) -> None:
     assert outcome.returncode == 0, outcome.output
     assert "could not load the model" in outcome.output
     assert "LocalEMT" in outcome.output and "[rank 1]" in outcome.output
@@ -171,16 +224,14 @@ def test_spawn_model_the_workers_cannot_load() -> None:
 # -- 3: input faults that end a process today ------------------------------------------
 
 
-def test_ranks_diverge_after_a_cached_call() -> None:
+def test_ranks_diverge_after_a_cached_call(outcome: Outcome) -> None:
     """Only the last rank moved an atom: it alone calculates, waits, and ends the job."""
-    outcome = mpirun("spmd.py", "diverge", timeout=60)  # a hang fails fast
     assert_job_ended(outcome)
     assert f"ase_shard: rank {RANKS - 1} waited" in outcome.output
     assert "do all ranks hold the same Atoms" in outcome.output
 
 
-def test_atom_a_billion_angstrom_away() -> None:
-    outcome = mpirun("spmd.py", "far-atom", timeout=60)
+def test_atom_a_billion_angstrom_away(outcome: Outcome) -> None:
     assert outcome.returncode == 0, outcome.output
     error = float(outcome.output.split("far-atom error=")[1].split()[0])
     assert error <= 1e-10
@@ -189,9 +240,8 @@ def test_atom_a_billion_angstrom_away() -> None:
 # -- 4: an error every rank raised together ---------------------------------------------
 
 
-def test_error_on_every_rank_is_reported_once() -> None:
+def test_error_on_every_rank_is_reported_once(outcome: Outcome) -> None:
     """Every rank raises the same error: one traceback (rank 0's), exit 1, no MPI_Abort."""
-    outcome = mpirun("spmd.py", "overlap", timeout=60)
     assert outcome.returncode == 1, outcome.output
     assert outcome.output.count("Traceback") == 1, outcome.output
     assert outcome.output.count("closer than min_distance") == 1, outcome.output
@@ -200,8 +250,7 @@ def test_error_on_every_rank_is_reported_once() -> None:
     assert not outcome.leftovers, outcome.leftovers
 
 
-def test_error_caught_on_one_rank_still_ends_the_job() -> None:
+def test_error_caught_on_one_rank_still_ends_the_job(outcome: Outcome) -> None:
     """One rank catches the shared error and waits: rank 0 stops waiting and aborts."""
-    outcome = mpirun("spmd.py", "overlap-caught", timeout=90)
     assert_job_ended(outcome)
     assert "MPI_ABORT" in outcome.output

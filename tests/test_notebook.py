@@ -1,13 +1,14 @@
 """The example notebook runs headlessly, spawns its workers and leaves none behind.
 
 Also: the notebook is committed with its outputs, and shutting spawned workers down
-(``calc.close()`` in a script, or a Jupyter kernel's shutdown) prints no Open MPI abort
-banner ("Abort is in progress...hit ctrl-c again to forcibly terminate").
+with a Jupyter kernel's shutdown prints no Open MPI abort banner ("Abort is in
+progress...hit ctrl-c again to forcibly terminate"). The same for ``calc.close()`` in a
+script is checked by tests/test_worker.py (``test_spawned_workers[close]``), in the run
+that also checks the workers' forces.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -15,11 +16,10 @@ import time
 from pathlib import Path
 
 import nbformat
-import pytest
 from nbclient import NotebookClient
+from spawned import BANNER, assert_clean_shutdown
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "cu_nanoparticle.ipynb"
-BANNER = "Abort is in progress"
 
 
 def _workers_alive() -> bool:
@@ -78,8 +78,8 @@ def test_committed_notebook_has_outputs() -> None:
     assert NOTEBOOK.stat().st_size < 300_000  # plots and a few lines, no logs
 
 
-# Spawn two workers, evaluate, print the pids of prte and the workers, and end either
-# with calc.close() (a script) or with nothing (a kernel's shutdown must stop them).
+# Spawn two workers, evaluate, print the pids of prte and the workers, and end with
+# nothing: the kernel's shutdown must stop them.
 SPAWN = """
 import json, os
 import ase_shard
@@ -106,30 +106,17 @@ print("".join(out.get("text", "") for out in notebook.cells[0].outputs))
 """
 
 
-@pytest.mark.parametrize("driver", ["script", "kernel"])
-def test_spawned_shutdown_prints_no_abort_banner(driver: str) -> None:
-    """A clean exit stops prte and the workers quietly.
+def test_kernel_shutdown_prints_no_abort_banner() -> None:
+    """A kernel's shutdown stops prte and the workers quietly.
 
     Under ipykernel, prte (which Open MPI forks for MPI_Comm_spawn) is in the kernel's
     process group, and the kernel's shutdown sends SIGTERM to that group's processes
     again and again; unless spawn() stopped prte first, the second one prints the banner.
+    (A script's ``calc.close()``: tests/test_worker.py, ``test_spawned_workers[close]``.)
     """
-    if driver == "script":
-        args = [sys.executable, "-c", SPAWN + "atoms.calc.close()\n"]
-    else:
-        args = [sys.executable, "-c", KERNEL, SPAWN]
+    args = [sys.executable, "-c", KERNEL, SPAWN]
     done = subprocess.run(
         args, capture_output=True, text=True, timeout=240, env=_plain_environment()
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert BANNER not in done.stderr, done.stderr
-    assert "ERROR" not in done.stderr, done.stderr
-    pids = json.loads(done.stdout.split("PIDS")[1].splitlines()[0])
-    assert len(pids) == 3  # prte and two workers
-
-    deadline = time.monotonic() + 20
-    while (alive := [pid for pid in pids if Path(f"/proc/{pid}").exists()]) and (
-        time.monotonic() < deadline
-    ):
-        time.sleep(0.2)
-    assert not alive, f"left running: {alive}"
+    assert_clean_shutdown(done)

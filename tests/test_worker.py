@@ -1,7 +1,9 @@
 """Worker mode (serve under mpirun) and notebook mode (spawn), with clean shutdown.
 
 Each case runs in its own process tree under a timeout, then checks that no
-worker process is left behind.
+worker process is left behind. A script's spawned workers also stop quietly: no
+Open MPI abort banner and no error on stderr, and ``prte`` and both workers exit
+(with a Jupyter kernel's shutdown instead: tests/test_notebook.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from spawned import assert_clean_shutdown
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -27,11 +30,13 @@ ENV = {
 WORKER_MARK = "worker_main"
 
 SPAWN_SCRIPT = """
+import json
 import numpy as np
 import ase_shard
 from ase.build import bulk
 from ase.calculators.emt import EMT as AseEMT
 from ase_shard.models import EMT
+from ase_shard.worker import _children, _launchers
 
 calc = ase_shard.spawn(EMT(), workers=2)
 atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(3)
@@ -42,6 +47,8 @@ reference.calc = AseEMT()
 error = np.abs(atoms.get_forces() - reference.get_forces()).max()
 owners = calc.decomposition["owners"]
 print(f"ranks={{calc.comm.size}} error={{error:.1e}} owners={{sorted(set(owners.tolist()))}}")
+pids = [pid for launcher, _ in _launchers() for pid in [launcher, *_children(launcher)]]
+print("PIDS", json.dumps(pids))
 {finish}
 """
 
@@ -106,11 +113,15 @@ def test_serve_releases_workers_at_exit_without_close(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("finish", ["calc.close()", ""], ids=["close", "exit"])
 def test_spawned_workers(tmp_path: Path, finish: str) -> None:
-    """Two spawned ranks compute exactly; close() or interpreter exit stops them."""
+    """Two spawned ranks compute exactly; close() or interpreter exit stops them, quietly.
+
+    ``prte`` and the two workers (their pids printed by the script) are gone soon after.
+    """
     script = tmp_path / "spawn.py"
     script.write_text(SPAWN_SCRIPT.format(finish=finish))
     done = _run([sys.executable, str(script)])
     assert "ranks=3" in done.stdout and "owners=[1, 2]" in done.stdout, done.stdout
     error = float(done.stdout.split("error=")[1].split()[0])
     assert error < 1e-10
+    assert_clean_shutdown(done)
     _assert_no_orphans()

@@ -9,13 +9,15 @@ later the last rank prints ``fault`` and injects ``MODE``:
 - ``diverge``: after a cached call, the last rank alone moves an atom; every
   rank asks for the energy again. The others return their (valid) cache, the
   last rank waits for them at the start of the calculation, gives up after the
-  calculator's ``timeout`` (5 s here) and aborts the job.
+  calculator's ``timeout`` (2 s here, after a first call that waits up to a minute)
+  and aborts the job.
 - ``far-atom``: no fault; a cluster with one atom 1e9 Å away, checked against
   ASE's EMT (rank 0 prints the largest relative error).
 - ``overlap``: two atoms 0.2 Å apart; every rank raises the same ValueError
   and lets it end the script (one report, exit status 1, no MPI_Abort).
 - ``overlap-caught``: the same, but the last rank catches the error and waits
-  in another collective: rank 0 gives up on it and aborts the job.
+  in another collective: rank 0 gives up on it (after 2 s here instead of
+  ``EXIT_TIMEOUT``'s 10 s: the last rank never comes) and aborts the job.
 """
 
 import os
@@ -24,6 +26,7 @@ import sys
 import time
 
 import ase_shard  # noqa: F401  (first: sets up MPI before ASE picks its world)
+import ase_shard.comm
 
 # isort: split
 
@@ -60,6 +63,8 @@ def far_atom(comm: Comm) -> None:
 
 
 def overlap(comm: Comm, caught: bool) -> None:
+    if caught:
+        ase_shard.comm.EXIT_TIMEOUT = 2.0  # how long rank 0 waits for the last rank
     atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(3)
     atoms.positions[4] = atoms.positions[9] + 0.2
     atoms.calc = ShardedCalculator(EMT())
@@ -84,9 +89,11 @@ def main(mode: str) -> None:
         return
     last = comm.size - 1
     atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(3)
-    atoms.calc = ShardedCalculator(EMT(), timeout=5.0)
+    # the first call waits for ranks that are still importing; then the waits are short
+    atoms.calc = ShardedCalculator(EMT(), timeout=60.0)
     atoms.get_potential_energy()
     comm.allgather(None)
+    atoms.calc.timeout = 2.0 if mode == "diverge" else 5.0
     if comm.is_root:
         print("ready", flush=True)
     time.sleep(1.0)
