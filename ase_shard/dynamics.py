@@ -167,6 +167,20 @@ class _FollowsAtoms:
     migrated, and changes nothing otherwise.
     """
 
+    def _sum_thermostat_over_ranks(
+        self, temperature_K: float, tdamp: float, tchain: int, tloop: int
+    ) -> None:
+        """Replace ASE's thermostat by the same one with its kinetic sum over ranks."""
+        self._thermostat = _Thermostat(
+            self.atoms,
+            num_atoms_global=self.atoms.get_global_number_of_atoms(),
+            masses=self.masses,
+            temperature_K=temperature_K,
+            tdamp=tdamp,
+            tchain=tchain,
+            tloop=tloop,
+        )
+
     def _reload(self) -> None:
         atoms = self.atoms
         self._q = atoms.get_positions()
@@ -204,15 +218,7 @@ class NoseHooverChainNVT(_FollowsAtoms, nose_hoover_chain.NoseHooverChainNVT):
         **kwargs: Any,
     ):
         super().__init__(atoms, timestep, temperature_K, tdamp, tchain, tloop, **kwargs)
-        self._thermostat = _Thermostat(
-            atoms,
-            num_atoms_global=atoms.get_global_number_of_atoms(),
-            masses=self.masses,
-            temperature_K=temperature_K,
-            tdamp=tdamp,
-            tchain=tchain,
-            tloop=tloop,
-        )
+        self._sum_thermostat_over_ranks(temperature_K, tdamp, tchain, tloop)
 
 
 class IsotropicMTKNPT(_FollowsAtoms, nose_hoover_chain.IsotropicMTKNPT):
@@ -253,15 +259,7 @@ class IsotropicMTKNPT(_FollowsAtoms, nose_hoover_chain.IsotropicMTKNPT):
             ploop,
             **kwargs,
         )
-        self._thermostat = _Thermostat(
-            atoms,
-            num_atoms_global=self._num_atoms_global,
-            masses=self.masses,
-            temperature_K=temperature_K,
-            tdamp=tdamp,
-            tchain=tchain,
-            tloop=tloop,
-        )
+        self._sum_thermostat_over_ranks(temperature_K, tdamp, tchain, tloop)
 
     def _get_pressure(self) -> float:
         pressure = super()._get_pressure()

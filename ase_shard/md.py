@@ -299,21 +299,15 @@ def make_dynamics(
     timestep = args.timestep * units.fs
     if args.ensemble == "nve":
         return VelocityVerlet(atoms, timestep=timestep)
-    if args.ensemble == "langevin" and isinstance(atoms, DistributedAtoms):
-        from ase_shard.dynamics import Langevin as DistributedLangevin
-
-        # no FixCom: constraints cannot follow migrating atoms
-        return DistributedLangevin(
-            atoms,
-            timestep=timestep,
-            temperature_K=temperature,
-            friction=args.friction / units.fs,
-            fixcm=False,
-            rng=rng,
-        )
     if args.ensemble == "langevin":
-        atoms.constraints = [*atoms.constraints, FixCom()]  # ASE's advice over fixcm=True
-        return Langevin(
+        if isinstance(atoms, DistributedAtoms):
+            # ASE's keeps per-atom arrays across the force call; no FixCom either:
+            # constraints cannot follow migrating atoms
+            from ase_shard.dynamics import Langevin as langevin
+        else:
+            langevin = Langevin
+            atoms.constraints = [*atoms.constraints, FixCom()]  # ASE's advice over fixcm=True
+        return langevin(
             atoms,
             timestep=timestep,
             temperature_K=temperature,

@@ -177,8 +177,8 @@ def test_info_prints_versions(capsys) -> None:
     assert "ranks          1" in out and "rank 0" in out and "no MPI (serial" in out
 
 
-def test_md_under_mpirun_two_ranks() -> None:
-    """SPMD: both ranks run the CLI; rank 0 alone prints one summary saying 2 ranks."""
+def _mpirun() -> tuple[Path, dict[str, str]]:
+    """The environment's ``mpirun`` (or a skip) and the environment to run it in as root."""
     mpirun = Path(sys.executable).parent / "mpirun"
     if not mpirun.exists():
         pytest.skip(f"no {mpirun}")
@@ -188,6 +188,12 @@ def test_md_under_mpirun_two_ranks() -> None:
         OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
         OMP_NUM_THREADS="1",
     )
+    return mpirun, env
+
+
+def test_md_under_mpirun_two_ranks() -> None:
+    """SPMD: both ranks run the CLI; rank 0 alone prints one summary saying 2 ranks."""
+    mpirun, env = _mpirun()
     command = [str(mpirun), "--oversubscribe", "-n", "2", sys.executable, "-m", "ase_shard.cli"]
     command += ["md", "--size", "2", "--steps", "10"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
@@ -224,15 +230,7 @@ def test_overlapping_atoms_under_mpirun_report_once(tmp_path: Path) -> None:
 
 def test_distributed_md_under_mpirun_matches_replicated(tmp_path: Path) -> None:
     """``--distributed`` writes the same frames as the replicated run (2 ranks each)."""
-    mpirun = Path(sys.executable).parent / "mpirun"
-    if not mpirun.exists():
-        pytest.skip(f"no {mpirun}")
-    env = dict(
-        os.environ,
-        OMPI_ALLOW_RUN_AS_ROOT="1",
-        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-        OMP_NUM_THREADS="1",
-    )
+    mpirun, env = _mpirun()
     frames = {}
     for mode in ("replicated", "distributed"):
         path = tmp_path / f"{mode}.traj"
