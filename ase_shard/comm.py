@@ -318,11 +318,27 @@ class Comm:
         if self.mpi is None or self.size == 1:
             return
         with self._call():
-            self._wait_for_all(timeout, waiting_for)
+            self._wait_for_all(self.mpi.Ibarrier(), timeout, waiting_for)
 
-    def _wait_for_all(self, timeout: float | None, waiting_for: str) -> None:
+    def union(self, flags: np.ndarray, timeout: float | None, waiting_for: str) -> np.ndarray:
+        """Element-wise OR of every rank's boolean ``flags``, waited for as in :meth:`rendezvous`.
+
+        One non-blocking ``Allreduce``, which is the rendezvous too.
+        """
+        flags = np.ascontiguousarray(flags, dtype=np.uint8)
+        if self.mpi is None or self.size == 1:
+            return flags.astype(bool)
+        from mpi4py import MPI
+
+        union = np.empty_like(flags)
+        with self._call():
+            self._wait_for_all(self.mpi.Iallreduce(flags, union, op=MPI.BOR), timeout, waiting_for)
+        return union.astype(bool)
+
+    def _wait_for_all(self, request: Any, timeout: float | None, waiting_for: str) -> None:
+        """Wait for the collective ``request``; abort the job after ``timeout`` s."""
         start = time.monotonic()
-        if not _poll(self.mpi.Ibarrier().Test, timeout):
+        if not _poll(request.Test, timeout):
             sys.stderr.write(
                 f"ase_shard: rank {self.rank} waited {time.monotonic() - start:.0f} s for the "
                 f"other ranks to {waiting_for}; aborting the MPI job\n"

@@ -158,6 +158,21 @@ def test_errors_reach_every_rank() -> None:
     assert np.isfinite(local.get_potential_energy())
 
 
+def test_a_move_on_one_rank_recalculates_on_every_rank() -> None:
+    """Only the owner of atom 0 sees it move; every rank's results are of the moved system."""
+    atoms = thermalised_cu(2, 300.0, seed=1)
+    local = distribute(atoms if COMM.is_root else None)
+    local.calc = ShardedCalculator(EMT())
+    local.get_forces()
+    local.positions[local.get_global_ids() == 0] += [0.05, -0.02, 0.03]
+    got = results(local)
+    order = np.argsort(np.concatenate(COMM.allgather(local.get_global_ids())))
+    for name in ("energies", "forces", "stresses"):
+        got[name] = np.concatenate(COMM.allgather(got[name]))[order]
+    atoms.positions[0] += [0.05, -0.02, 0.03]
+    _assert_close(got, _replicated(atoms, EMT()))
+
+
 def test_deleted_atoms_are_an_error() -> None:
     atoms = thermalised_cu(2, 300.0, seed=1)
     local = distribute(atoms if COMM.is_root else None)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from ase import Atoms, units
 from ase.build import bulk
+from ase.calculators.calculator import compare_atoms
 from ase.calculators.emt import EMT as AseEMT
 from ase.filters import ExpCellFilter, FrechetCellFilter
 from ase.io import read, write
@@ -87,6 +88,33 @@ def test_unavailable_device_is_a_value_error() -> None:
     for device, text in [("gpu", "not a torch device"), ("cuda:99", "not available here")]:
         with pytest.raises(ValueError, match=rf"device '{device}' is {text}.*available.*cpu"):
             ShardedCalculator(EMT(), device=device)
+
+
+def test_change_check_reports_what_ases_compare_atoms_reports() -> None:
+    """The calculator settles positions and numbers without np.allclose: same verdicts."""
+    atoms = _rattled_cu(2)
+    atoms.calc = calc = ShardedCalculator(EMT(), comm=serial_comm())
+    atoms.get_potential_energy()
+    tol = 1e-15
+    edits = {
+        "nothing": lambda a: None,
+        "below tol": lambda a: a.positions.__setitem__((3, 1), a.positions[3, 1] + 0.4 * tol),
+        "above tol": lambda a: a.positions.__setitem__((3, 1), a.positions[3, 1] + 1e-12),
+        "tiny then large": lambda a: a.positions.__iadd__(
+            np.where(np.arange(len(a))[:, None] == 0, 0.4 * tol, 1e-3)
+        ),
+        "nan": lambda a: a.positions.__setitem__((0, 0), np.nan),
+        "number": lambda a: a.numbers.__setitem__(5, 28),
+        "atom added": lambda a: a.append("Cu"),
+        "cell": lambda a: a.set_cell(1.01 * a.cell, scale_atoms=False),
+        "magmoms": lambda a: a.set_initial_magnetic_moments(np.ones(len(a))),
+    }
+    for name, edit in edits.items():
+        changed = atoms.copy()
+        edit(changed)
+        assert sorted(calc.check_state(changed, tol)) == sorted(
+            compare_atoms(calc.atoms, changed, tol)
+        ), name
 
 
 # -- round-off between the ranks' copies --------------------------------------------------
