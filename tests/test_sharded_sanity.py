@@ -40,7 +40,7 @@ from sharded import (
 )
 
 from ase_shard import ShardedCalculator
-from ase_shard.calculator import SYNC_TOLERANCE
+from ase_shard.calculator import SYNC_TOLERANCE, _close
 from ase_shard.models import EMT
 from ase_shard.system import slice_bounds
 
@@ -115,6 +115,23 @@ def test_change_check_reports_what_ases_compare_atoms_reports() -> None:
         assert sorted(calc.check_state(changed, tol)) == sorted(
             compare_atoms(calc.atoms, changed, tol)
         ), name
+
+
+def test_exact_first_comparison_agrees_with_allclose_across_chunks() -> None:
+    """Differences anywhere in arrays longer than one compared chunk, within tol or not."""
+    tol = 1e-15
+    a = np.random.default_rng(3).random((100_000, 3))
+    for name, index, step in [
+        ("equal", None, 0.0),
+        ("last chunk, beyond tol", (-1, 2), 1e-9),
+        ("middle, within tol", (60_000, 1), 0.5 * tol),
+        ("middle, nan", (60_000, 1), np.nan),
+    ]:
+        b = a.copy()
+        if index is not None:
+            b[index] = b[index] + step
+        assert _close(a, b, tol) == np.allclose(a, b, rtol=0, atol=tol), name
+    assert not _close(a, a[:-1], tol)
 
 
 # -- round-off between the ranks' copies --------------------------------------------------
