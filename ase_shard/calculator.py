@@ -1201,7 +1201,7 @@ class ShardedCalculator(Calculator):
         totals = collect(partial[None], np.ones(comm.size, dtype=np.int64))
         values = None
         if wanted:
-            selected = columns[[row for _, rows in wanted for row in rows]]
+            selected = columns[[row for _, rows in wanted for row in rows]]  # a copy: added to
             owned = state.exchange.sum_into_owned_columns(selected)
             # distributed atoms keep their own results, in their own order
             values = owned.T if self._distributed else collect(

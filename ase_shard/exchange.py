@@ -223,20 +223,22 @@ class HaloExchange:
         Parameters
         ----------
         columns : (k, n_owned + n_ghosts) float64 array
-            One row per quantity, one column per node (owned, then ghosts).
+            One row per quantity, one column per node (owned, then ghosts);
+            its owned columns are added to in place.
 
         Returns
         -------
-        (k, n_owned) float64 array: each owned node's column with every ghost
-        copy's column on other ranks added, in a fixed order.
+        (k, n_owned) float64 array, a view of ``columns``: each owned node's
+        column with every ghost copy's column on other ranks added, in a fixed
+        order.
         """
+        owned = columns[:, : self.n_owned]
         if self.comm.size == 1:
-            return columns[:, : self.n_owned]  # no other rank holds a copy
+            return owned  # no other rank holds a copy
         ghosts = columns[:, self.n_owned : self.n_owned + self.n_ghosts].T
         back = self.comm.alltoallv_rows(ghosts, self.recv_counts, self.send_counts)
-        owned = torch.from_numpy(np.array(columns[:, : self.n_owned]))
-        owned.index_add_(1, self.send_rows, torch.from_numpy(back.T))
-        return owned.numpy()
+        torch.from_numpy(owned).index_add_(1, self.send_rows, torch.from_numpy(back.T))
+        return owned
 
     def _move(self, rows: torch.Tensor, send_counts, recv_counts) -> torch.Tensor:
         """The rows that the other ranks send for ``rows`` sent, grouped by rank, on its device.

@@ -12,12 +12,22 @@ spreads it, and ASE's ``VelocityVerlet`` runs on each rank's own atoms. Reuse st
 and rebuild steps (a rebuild forced with ``request_rebuild``: domains re-cut, atoms
 migrate, ghosts found again) are timed one by one: wall time of the slowest rank, and
 each rank's CPU time with the time inside MPI calls excluded (``Comm.mpi_cpu``, so
-waiting for other ranks does not count). Memory per rank: the resident size after
-start-up (imports, model, a small warm-up calculation: the fixed per-process part)
-and the peak over the run. With ``--steps`` the run is plain MD for that many steps
+waiting for other ranks does not count).
+
+On more than one rank, rank 0 also runs the same system alone (its own copy, on
+``MPI.COMM_SELF``) while the other ranks wait asleep, taking turns with the
+distributed run step by step: the per-rank cost ratios (``*_over_one_rank``) are
+medians of per-step ratios measured in the same minutes, so the host's changing load
+cancels. Two ceilings are sampled after every pair of steps: the same single-thread work split
+over the ranks (:class:`ase_shard.bench.Ceiling`, in cache) and the same memory-bound
+numpy passes split over them (:class:`MemoryCeiling`).
+
+Memory per rank: the resident size after start-up (imports, model, a small warm-up
+calculation: the fixed per-process part) and the peak after the first call and one
+warm-up step of each kind, before rank 0's one-rank copy exists; compare it with a
+separate ``-n 1`` run. With ``--steps`` the run is plain MD for that many steps
 instead, optionally writing ``--trajectory`` every ``--interval`` steps through
-:class:`ase_shard.io.Trajectory`. The ceiling (the same single-thread work split over
-the ranks, :class:`ase_shard.bench.Ceiling`) is sampled after every timed step.
+:class:`ase_shard.io.Trajectory`.
 """
 
 from __future__ import annotations
@@ -62,6 +72,66 @@ def _system(model: str, size: int, seed: int = 1):
     return atoms
 
 
+class _Run:
+    """``VelocityVerlet`` on distributed atoms, timed one step at a time."""
+
+    def __init__(self, atoms, model: str, comm: Comm):
+        self.comm = comm
+        self.atoms = atoms
+        self.calc = atoms.calc = ShardedCalculator(MODELS[model][0](), comm=comm.mpi)
+        self.dyn = VelocityVerlet(atoms, timestep=1.0 * units.fs)
+
+    def step(self, kind: str) -> tuple[float, float]:
+        """This rank's wall and CPU seconds (MPI excluded) of one step of ``kind``."""
+        if kind == "rebuild":
+            self.calc.request_rebuild()
+        wall, cpu, mpi = time.perf_counter(), time.process_time(), self._mpi_cpu()
+        self.dyn.run(1)
+        return time.perf_counter() - wall, time.process_time() - cpu - (self._mpi_cpu() - mpi)
+
+    def _mpi_cpu(self) -> float:
+        return self.calc.comm.mpi_cpu + self.atoms.comm.mpi_cpu
+
+
+class MemoryCeiling:
+    """The machine's speed-up limit for memory-bound work on ``comm.size`` ranks.
+
+    :class:`ase_shard.bench.Ceiling` runs work that stays in a core's cache. An
+    MD step on a million atoms is mostly numpy passes over arrays larger than
+    the caches, and both ranks then share the memory bus. Here the same passes
+    (as an integrator's: temporaries, products, a comparison, a copy) run over
+    ``(n_atoms, 3)`` float64 arrays on rank 0 alone while the other ranks wait,
+    then over ``n_atoms / size`` rows on every rank from a common start.
+    ``speedup`` is the median over samples of alone time / split time.
+    """
+
+    def __init__(self, comm: Comm, n_atoms: int):
+        self.comm, self.n_atoms = comm, n_atoms
+        self.ratios: list[float] = []
+
+    @staticmethod
+    def _passes(rows: int) -> float:
+        a, b = np.full((rows, 3), 0.5), np.full((rows, 3), 0.25)
+        for repeats in (1, 5):  # the first, untimed, faults the temporaries' pages in
+            start = time.perf_counter()
+            for _ in range(repeats):
+                c = a + 0.5 * b
+                c *= 2.0
+                bool((c != a).any())
+                a = c.copy()
+        return time.perf_counter() - start
+
+    def sample(self) -> None:
+        comm = self.comm
+        alone = self._passes(self.n_atoms) if comm.is_root else 0.0
+        comm.rendezvous(None, "finish rank 0's memory-bound run")
+        split = max(comm.allgather(self._passes(self.n_atoms // comm.size)))
+        self.ratios.append(comm.bcast(alone) / split)
+
+    def speedup(self) -> float:
+        return float(np.median(self.ratios))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=MODELS, default="no-edge")
@@ -74,61 +144,50 @@ def main() -> None:
     parser.add_argument("--json", help="write the figures here (rank 0)")
     args = parser.parse_args()
     comm = Comm()
-    make_model = MODELS[args.model][0]
 
     # the fixed per-process part: imports, a model, a small calculation (compiles)
     warm = distribute(_system(args.model, 2) if comm.is_root else None)
-    warm.calc = ShardedCalculator(make_model())
+    warm.calc = ShardedCalculator(MODELS[args.model][0]())
     warm.get_forces()
     del warm
     fixed_mb = _rss_mb()
 
-    atoms = distribute(_system(args.model, args.size) if comm.is_root else None)
-    calc = atoms.calc = ShardedCalculator(make_model())
-    dyn = VelocityVerlet(atoms, timestep=1.0 * units.fs)
+    run = _Run(
+        distribute(_system(args.model, args.size) if comm.is_root else None), args.model, comm
+    )
     start = time.perf_counter()
-    atoms.get_forces()  # the first rebuild: domains cut, atoms migrate from their blocks
+    run.atoms.get_forces()  # the first rebuild: domains cut, atoms migrate from their blocks
     first_s = max(comm.allgather(time.perf_counter() - start))
-    figures = {"ranks": comm.size, "atoms": atoms.get_global_number_of_atoms(),
-               "model": args.model, "first_call_s": first_s}
-
-    def mpi_cpu() -> float:
-        return calc.comm.mpi_cpu + atoms.comm.mpi_cpu
+    figures = {
+        "ranks": comm.size,
+        "atoms": run.atoms.get_global_number_of_atoms(),
+        "model": args.model,
+        "first_call_s": first_s,
+    }
 
     if args.steps:
         trajectory = None
         if args.trajectory:
             from ase_shard.io import Trajectory
 
-            trajectory = Trajectory(args.trajectory, "w", atoms)
-            dyn.attach(trajectory.write, interval=args.interval)
+            trajectory = Trajectory(args.trajectory, "w", run.atoms)
+            run.dyn.attach(trajectory.write, interval=args.interval)
         start = time.perf_counter()
-        dyn.run(args.steps)
+        run.dyn.run(args.steps)
         figures["md_wall_s"] = max(comm.allgather(time.perf_counter() - start))
         figures["steps"] = args.steps
         if trajectory is not None:
             trajectory.close()
+        peak_mb = _peak_mb()
     else:
-        ceiling = Ceiling(comm, 0.3)
-        for kind, count in (("reuse", args.reuse_steps), ("rebuild", args.rebuild_steps)):
-            walls, cpus = [], []
-            for _ in range(count):
-                if kind == "rebuild":
-                    calc.request_rebuild()
-                comm.allgather(None)
-                wall, cpu, mpi = time.perf_counter(), time.process_time(), mpi_cpu()
-                dyn.run(1)
-                cpu = time.process_time() - cpu - (mpi_cpu() - mpi)
-                walls.append(max(comm.allgather(time.perf_counter() - wall)))
-                cpus.append(comm.allgather(cpu))
-                ceiling.sample()
-            figures[f"{kind}_wall_s"] = float(np.median(walls))
-            figures[f"{kind}_cpu_s_per_rank"] = np.median(cpus, axis=0).tolist()
-        figures["ceiling"] = ceiling.result()["speedup"]
-    figures["rebuilds"] = calc.rebuilds
-    figures["owned_per_rank"] = comm.allgather(len(atoms))
+        for kind in ("rebuild", "reuse"):
+            run.step(kind)
+        peak_mb = _peak_mb()
+        figures.update(_timed(run, args, comm))
+    figures["rebuilds"] = run.calc.rebuilds
+    figures["owned_per_rank"] = comm.allgather(len(run.atoms))
     figures["fixed_rss_mb_per_rank"] = comm.allgather(fixed_mb)
-    figures["peak_rss_mb_per_rank"] = comm.allgather(_peak_mb())
+    figures["peak_rss_mb_per_rank"] = comm.allgather(peak_mb)
     figures["beyond_fixed_mb_per_rank"] = [
         peak - fixed
         for peak, fixed in zip(
@@ -140,6 +199,52 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as out:
                 json.dump(figures, out, indent=1)
+
+
+def _timed(run: _Run, args: argparse.Namespace, comm: Comm) -> dict:
+    """The timed steps, each followed on more than one rank by the same step on rank 0 alone."""
+    one_rank = None
+    if comm.size > 1 and comm.is_root:
+        from mpi4py import MPI
+
+        alone = Comm(MPI.COMM_SELF)
+        one_rank = _Run(
+            distribute(_system(args.model, args.size), comm=alone.mpi), args.model, alone
+        )
+        one_rank.atoms.get_forces()
+        for kind in ("rebuild", "reuse"):
+            one_rank.step(kind)
+    ceiling = Ceiling(comm, 0.3)
+    memory_ceiling = MemoryCeiling(comm, run.atoms.get_global_number_of_atoms())
+    figures = {}
+    for kind, count in (("reuse", args.reuse_steps), ("rebuild", args.rebuild_steps)):
+        walls, cpus, alone_walls, alone_cpus = [], [], [], []
+        for _ in range(count):
+            comm.allgather(None)
+            wall, cpu = run.step(kind)
+            walls.append(max(comm.allgather(wall)))
+            cpus.append(comm.allgather(cpu))
+            if comm.size > 1:
+                # the other ranks sleep meanwhile (sleeping polls, see Comm.rendezvous)
+                alone = one_rank.step(kind) if one_rank is not None else (np.nan, np.nan)
+                comm.rendezvous(None, "finish rank 0's one-rank step")
+                alone_walls.append(comm.bcast(alone[0]))
+                alone_cpus.append(comm.bcast(alone[1]))
+            ceiling.sample()
+            memory_ceiling.sample()
+        figures[f"{kind}_wall_s"] = float(np.median(walls))
+        figures[f"{kind}_cpu_s_per_rank"] = np.median(cpus, axis=0).tolist()
+        if comm.size > 1:
+            walls, cpus = np.array(walls), np.array(cpus)
+            figures[f"{kind}_one_rank_wall_s"] = float(np.median(alone_walls))
+            figures[f"{kind}_one_rank_cpu_s"] = float(np.median(alone_cpus))
+            figures[f"{kind}_wall_over_one_rank"] = float(np.median(walls / alone_walls))
+            figures[f"{kind}_cpu_over_one_rank_per_rank"] = np.median(
+                cpus / np.array(alone_cpus)[:, None], axis=0
+            ).tolist()
+    figures["ceiling"] = ceiling.result()["speedup"]
+    figures["memory_bound_ceiling"] = memory_ceiling.speedup()
+    return figures
 
 
 if __name__ == "__main__":
