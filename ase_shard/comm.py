@@ -407,7 +407,10 @@ def _poll(test: Any, timeout: float | None) -> bool:
         if timeout is not None and time.monotonic() - start > timeout:
             return False
         time.sleep(pause)
-        pause = min(2.0 * pause, 1e-3)  # quick when they are close, cheap when not
+        # quick when they are close, cheap when not; the cap bounds how late a rank
+        # leaves after the last one arrived (with 1 ms, 6 ms of a 100 ms MD step
+        # on 2 ranks went to sleeping; waking 5,000 times a second costs ~1 % of a core)
+        pause = min(2.0 * pause, 2e-4)
     return True
 
 
