@@ -20,8 +20,6 @@ from typing import Any
 
 import numpy as np
 from ase import Atoms
-from ase.md.velocitydistribution import force_temperature
-from ase.optimize.optimize import OptimizableAtoms
 from ase.stress import voigt_6_to_full_3x3_stress
 
 from ase_shard.comm import Comm, describe, rebuild
@@ -97,21 +95,12 @@ class DistributedAtoms(Atoms):
         _refuse_unsafe_driver()
         return super().get_masses()
 
-    def __ase_optimizable__(self) -> OptimizableAtoms:
+    def __ase_optimizable__(self) -> Any:
+        # imported here: ase.optimize pulls in scipy (~0.8 s for every process)
+        from ase_shard.dynamics import DistributedOptimizable
+
         _refuse_unsafe_driver()
         return DistributedOptimizable(self)
-
-
-class DistributedOptimizable(OptimizableAtoms):
-    """ASE's optimisable view of the atoms, with the force norm over all ranks."""
-
-    def gradient_norm(self, gradient: np.ndarray) -> float:
-        forces = gradient.reshape(-1, 3)
-        local = np.sqrt((forces * forces).sum(axis=1).max(initial=0.0))
-        return max(self.atoms.comm.allgather(float(local)))
-
-    def ndofs(self) -> int:
-        return 3 * len(self.atoms)
 
 
 def distributed_safe(driver: Any) -> bool:
@@ -364,4 +353,6 @@ def stationary(atoms: DistributedAtoms, preserve_temperature: bool = True) -> No
     total = atoms.sum_over_ranks(np.append(momentum.sum(axis=0), masses.sum()))
     atoms.set_momenta(momentum - np.outer(masses, total[:3] / total[3]))
     if preserve_temperature:
+        from ase.md.velocitydistribution import force_temperature
+
         force_temperature(atoms, temperature)  # global: it asks the atoms for T and dof

@@ -11,7 +11,9 @@ here are thin subclasses of ASE's own that do too:
   momenta and masses from the atoms after every force call and sum the kinetic
   terms of the thermostat and barostat over ranks;
 - :class:`FIRE` keeps its velocities in ``atoms.arrays`` and takes its dot
-  products over ranks.
+  products over ranks;
+- :class:`DistributedOptimizable`, what distributed atoms give every optimiser,
+  takes the force norm over ranks.
 
 On a plain ``Atoms`` each behaves as ASE's class, bit for bit (sums are then
 local). ASE's ``MDLogger`` works on distributed atoms as it is (it asks the
@@ -28,6 +30,7 @@ import numpy as np
 from ase import Atoms
 from ase.md import langevin, nose_hoover_chain
 from ase.optimize import fire
+from ase.optimize.optimize import OptimizableAtoms
 
 from ase_shard.comm import Comm
 from ase_shard.distributed import DistributedAtoms
@@ -275,6 +278,19 @@ class IsotropicMTKNPT(_FollowsAtoms, nose_hoover_chain.IsotropicMTKNPT):
             3 * volume * (pressure - self._pressure_au) + twice_kinetic / self._num_atoms_global
         )
         self._p_eps += delta * force
+
+
+class DistributedOptimizable(OptimizableAtoms):
+    """ASE's optimisable view of distributed atoms, with the force norm over all ranks
+    (what ``DistributedAtoms.__ase_optimizable__`` gives every optimiser)."""
+
+    def gradient_norm(self, gradient: np.ndarray) -> float:
+        forces = gradient.reshape(-1, 3)
+        local = np.sqrt((forces * forces).sum(axis=1).max(initial=0.0))
+        return max(self.atoms.comm.allgather(float(local)))
+
+    def ndofs(self) -> int:
+        return 3 * len(self.atoms)
 
 
 class FIRE(fire.FIRE):
