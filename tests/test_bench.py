@@ -13,6 +13,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +22,7 @@ import pytest
 import torch
 from ase.build import bulk
 from ase.calculators.emt import EMT as AseEMT
+from background import launch_in_background
 from oracles import ase_results, relative_errors
 from sync_count import Autograd
 
@@ -190,21 +193,45 @@ def test_ml_model(tmp_path, model: str, package: str) -> None:
     assert report["model"]["num_layers"] == 2 and report["dtype"] == "float64"
 
 
-def run_mpi(command: list[str], ranks: int, timeout: int = 180) -> subprocess.CompletedProcess:
+def run_mpi(
+    command: list[str], ranks: int, folder: Path, timeout: int = 180
+) -> subprocess.CompletedProcess:
+    """``command`` under ``mpirun -n ranks``; output through files in ``folder``."""
     if not MPIRUN.exists():
         pytest.skip(f"no {MPIRUN}")
     full = [str(MPIRUN), "--oversubscribe", "-n", str(ranks), *command]
-    done = subprocess.run(full, env=MPI_ENV, capture_output=True, text=True, timeout=timeout)
+    return run_logged(full, folder, timeout)
+
+
+def run_logged(command: list[str], folder: Path, timeout: int) -> subprocess.CompletedProcess:
+    """``command`` run to its end, its output written to files in ``folder`` and read back
+    after it exits; a non-zero exit fails the test.
+
+    These runs take place in the background (:func:`launches`) while other tests run
+    ``bench`` in this process, whose CPU times per phase count every thread of the
+    process: the thread that waits here reads no pipe while they are measured.
+    """
+    with open(folder / "stdout", "w") as out, open(folder / "stderr", "w") as err:
+        returncode = subprocess.run(
+            command, env=MPI_ENV, stdout=out, stderr=err, timeout=timeout
+        ).returncode
+    done = subprocess.CompletedProcess(
+        command, returncode, (folder / "stdout").read_text(), (folder / "stderr").read_text()
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     return done
 
 
-def test_two_ranks(tmp_path) -> None:
-    """SPMD under mpirun -n 2: one report, with the one-rank reference of the same run."""
-    json_path = tmp_path / "bench.json"
+def launch_two_ranks(folder: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    json_path = folder / "bench.json"
     command = [sys.executable, "-m", "ase_shard.cli", "bench", "--size", "3"]
-    command += ["--json", str(json_path), "--plot", str(tmp_path / "bench.png"), *QUICK]
-    done = run_mpi(command, 2)
+    command += ["--json", str(json_path), "--plot", str(folder / "bench.png"), *QUICK]
+    return run_mpi(command, 2, folder), json_path
+
+
+def test_two_ranks(launched) -> None:
+    """SPMD under mpirun -n 2: one report, with the one-rank reference of the same run."""
+    done, json_path = launched
     assert done.stdout.count("ase-shard bench: cu-bulk") == 1  # the summary, rank 0 only
     report = json.loads(json_path.read_text())
     check_report(report, 2, 108, {"bare", "sharded", "sharded_1"})
@@ -285,30 +312,57 @@ def test_framework_one_rank(tmp_path, capsys, model: str) -> None:
     assert "WARNING" not in out
 
 
-def test_framework_two_ranks(tmp_path) -> None:
+def launch_framework_two_ranks(folder: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    json_path = folder / "framework.json"
+    command = [sys.executable, "-m", "ase_shard.cli", *FRAMEWORK, "--json", str(json_path)]
+    return run_mpi(command, 2, folder), json_path
+
+
+def test_framework_two_ranks(launched) -> None:
     """``bench --framework`` under mpirun -n 2: one report with both ranks' CPU."""
-    json_path = tmp_path / "framework.json"
-    done = run_mpi(
-        [sys.executable, "-m", "ase_shard.cli", *FRAMEWORK, "--json", str(json_path)], 2
-    )
+    done, json_path = launched
     assert done.stdout.count("ase-shard bench --framework: cu-bulk") == 1
     check_framework(json.loads(json_path.read_text()), 2, "no-edge")
 
 
-def test_scaling_helper(tmp_path) -> None:
-    """scripts/bench_scaling.py: runs 1 and 2 ranks, draws the curves, prints the table."""
+def launch_scaling_helper(folder: Path) -> tuple[subprocess.CompletedProcess, Path]:
     if not MPIRUN.exists():
         pytest.skip(f"no {MPIRUN}")
-    img = tmp_path / "scaling.png"
+    img = folder / "scaling.png"
     command = [sys.executable, str(ROOT / "scripts" / "bench_scaling.py"), "--sizes", "2"]
-    command += ["--ranks", "1", "2", "--out-dir", str(tmp_path), "--img", str(img), "--"]
+    command += ["--ranks", "1", "2", "--out-dir", str(folder), "--img", str(img), "--"]
     command += ["--no-plot", *QUICK]
-    done = subprocess.run(command, env=MPI_ENV, capture_output=True, text=True, timeout=200)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return run_logged(command, folder, timeout=200), folder
+
+
+def test_scaling_helper(launched) -> None:
+    """scripts/bench_scaling.py: runs 1 and 2 ranks, draws the curves, prints the table."""
+    done, folder = launched
     table = [line for line in done.stdout.splitlines() if line.startswith("| 32 |")]
     assert [line.split("|")[2].strip() for line in table] == ["1", "2"]
-    assert img.stat().st_size > 10_000
-    assert sorted(p.name for p in tmp_path.glob("*.json")) == [
+    assert (folder / "scaling.png").stat().st_size > 10_000
+    assert sorted(p.name for p in folder.glob("*.json")) == [
         "emt-cu-bulk-2-p1.json",
         "emt-cu-bulk-2-p2.json",
     ]
+
+
+# the tests that launch their own mpirun, by name: their launches run one after the
+# other in the background from the module's first test on, while the in-process tests
+# run on the other core (tests/background.py); each test checks its own launch
+LAUNCHES = {
+    "test_two_ranks": launch_two_ranks,
+    "test_framework_two_ranks": launch_framework_two_ranks,
+    "test_scaling_helper": launch_scaling_helper,
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def launches(request, tmp_path_factory) -> Iterator[dict[str, Future]]:
+    yield from launch_in_background(request, tmp_path_factory, LAUNCHES, lanes=1)
+
+
+@pytest.fixture
+def launched(request, launches: dict[str, Future]):
+    """What this test's launch returned."""
+    return launches[request.node.name].result()

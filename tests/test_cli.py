@@ -2,7 +2,8 @@
 
 Trajectories written by ``ase-shard md`` are checked frame by frame against
 ASE's own calculators (the oracle), with parameters spelled out here rather
-than taken from the CLI.
+than taken from the CLI. The runs under ``mpirun`` go in the background while the
+in-process tests run (:func:`launches`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +25,7 @@ from ase.calculators.emt import EMT as AseEMT
 from ase.calculators.lj import LennardJones as AseLennardJones
 from ase.calculators.morse import MorsePotential as AseMorse
 from ase.io import read, write
+from background import launch_in_background
 
 from ase_shard.cli import main
 from ase_shard.comm import Comm
@@ -191,54 +195,90 @@ def _mpirun() -> tuple[Path, dict[str, str]]:
     return mpirun, env
 
 
-def test_md_under_mpirun_two_ranks() -> None:
-    """SPMD: both ranks run the CLI; rank 0 alone prints one summary saying 2 ranks."""
-    mpirun, env = _mpirun()
-    command = [str(mpirun), "--oversubscribe", "-n", "2", sys.executable, "-m", "ase_shard.cli"]
-    command += ["md", "--size", "2", "--steps", "10"]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.count(SUMMARY) == 1
-    assert summary_field(done.stdout, "ranks") == "2"
-    assert done.stderr.count("100%") == 1  # the progress lines come from rank 0 only
-
-
-def test_overlapping_atoms_under_mpirun_report_once(tmp_path: Path) -> None:
-    """Two atoms at one position: one error line from rank 0, exit 2, no traceback or abort."""
+def _overlapping_atoms_on_two_ranks(folder: Path) -> subprocess.CompletedProcess:
     mpirun = Path(sys.executable).parent / "mpirun"
     if not mpirun.exists():
         pytest.skip(f"no {mpirun}")
     atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(3)
     atoms.positions[4] = atoms.positions[9]
-    structure = tmp_path / "overlap.xyz"
+    structure = folder / "overlap.xyz"
     write(structure, atoms)
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     command = [str(mpirun), "--oversubscribe", "-n", "2", sys.executable, "-m", "ase_shard.cli"]
     command += ["md", str(structure), "--steps", "5"]
-    done = subprocess.run(
+    return subprocess.run(
         ["timeout", "-k", "5", "100", *command],
         env=dict(env, OMP_NUM_THREADS="1"),
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def _md_on_two_ranks(folder: Path, distributed: bool) -> tuple[subprocess.CompletedProcess, Path]:
+    """MD on 2 ranks with or without ``--distributed``: the run and its trajectory.
+
+    The replicated run prints its progress (:func:`test_md_under_mpirun_two_ranks`).
+    """
+    mpirun, env = _mpirun()
+    path = folder / "md.traj"
+    command = ["timeout", "-k", "5", "100", str(mpirun), "--oversubscribe", "-n", "2"]
+    command += [sys.executable, "-m", "ase_shard.cli", "md", "--size", "3", "--steps", "30"]
+    command += ["--interval", "10", "--skin", "0.1", "--trajectory", str(path)]
+    command += ["--no-progress", "--distributed"] if distributed else []
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    return done, path
+
+
+# the runs of the tests that launch their own mpirun: two at a time in the background
+# from the module's first test on, while the in-process tests run (tests/background.py);
+# each test checks the runs it uses
+LAUNCHES = {
+    "replicated": lambda folder: _md_on_two_ranks(folder, distributed=False),
+    "distributed": lambda folder: _md_on_two_ranks(folder, distributed=True),
+    "overlapping": _overlapping_atoms_on_two_ranks,
+}
+USERS = {
+    "replicated": (
+        "test_md_under_mpirun_two_ranks",
+        "test_distributed_md_under_mpirun_matches_replicated",
+    ),
+    "distributed": ("test_distributed_md_under_mpirun_matches_replicated",),
+    "overlapping": ("test_overlapping_atoms_under_mpirun_report_once",),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def launches(request, tmp_path_factory) -> Iterator[dict[str, Future]]:
+    yield from launch_in_background(request, tmp_path_factory, LAUNCHES, lanes=2, users=USERS)
+
+
+def test_md_under_mpirun_two_ranks(launches: dict[str, Future]) -> None:
+    """SPMD: both ranks run the CLI; rank 0 alone prints one summary saying 2 ranks.
+
+    (The replicated run of :func:`test_distributed_md_under_mpirun_matches_replicated`.)
+    """
+    done, _ = launches["replicated"].result()
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count(SUMMARY) == 1
+    assert summary_field(done.stdout, "ranks") == "2"
+    assert done.stderr.count("100%") == 1  # the progress lines come from rank 0 only
+
+
+def test_overlapping_atoms_under_mpirun_report_once(launches: dict[str, Future]) -> None:
+    """Two atoms at one position: one error line from rank 0, exit 2, no traceback or abort."""
+    done = launches["overlapping"].result()
     output = done.stdout + done.stderr
     assert done.returncode == 2, output
     assert output.count("atoms 4 and 9 are 0.0000 Å apart, closer than min_distance") == 1
     assert "Traceback" not in output and "MPI_ABORT" not in output
 
 
-def test_distributed_md_under_mpirun_matches_replicated(tmp_path: Path) -> None:
+def test_distributed_md_under_mpirun_matches_replicated(launches: dict[str, Future]) -> None:
     """``--distributed`` writes the same frames as the replicated run (2 ranks each)."""
-    mpirun, env = _mpirun()
     frames = {}
     for mode in ("replicated", "distributed"):
-        path = tmp_path / f"{mode}.traj"
-        command = ["timeout", "-k", "5", "100", str(mpirun), "--oversubscribe", "-n", "2"]
-        command += [sys.executable, "-m", "ase_shard.cli", "md", "--size", "3", "--steps", "30"]
-        command += ["--interval", "10", "--skin", "0.1", "--trajectory", str(path)]
-        command += ["--no-progress"] + (["--distributed"] if mode == "distributed" else [])
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+        done, path = launches[mode].result()
         assert done.returncode == 0, done.stderr
         assert done.stdout.count(SUMMARY) == 1
         frames[mode] = read(path, ":")

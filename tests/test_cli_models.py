@@ -11,12 +11,15 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
 import pytest
 from ase.build import bulk, molecule
 from ase.io import read, write
+from background import launch_in_background
 
 from ase_shard.cli import main, shipped_checkpoints
 from ase_shard.comm import Comm
@@ -119,17 +122,12 @@ def test_modality_for_a_builtin_exit_2(capsys) -> None:
     assert "--modality applies to SevenNet and MACE" in capsys.readouterr().err
 
 
-@needs_7net0
-@pytest.mark.timeout(600)
-def test_acceptance_7net0_256_cu_on_two_ranks(tmp_path: Path) -> None:
-    """`mpirun -n 2 ase-shard md cu.cif --model 7net-0 ... --trajectory out.xyz`: exit 0,
-    frames with energy and forces that ase.io reads. The issue's 20 steps take about
-    100 s here; the suite runs 2, writing every step (the 20-step run is in the issue
-    note)."""
+def launch_acceptance(folder: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    """The 7net-0 acceptance run (:func:`test_acceptance_7net0_256_cu_on_two_ranks`)."""
     mpirun = Path(sys.executable).parent / "mpirun"
     if not mpirun.exists():
         pytest.skip(f"no {mpirun}")
-    cif, out = tmp_path / "cu.cif", tmp_path / "out.xyz"
+    cif, out = folder / "cu.cif", folder / "out.xyz"
     write(cif, bulk("Cu", "fcc", a=3.61, cubic=True).repeat(4))
     command = [str(mpirun), "-n", "2", sys.executable, "-m", "ase_shard.cli", "md", str(cif)]
     command += ["--model", "7net-0", "--steps", "2", "--trajectory", str(out), "--interval", "1"]
@@ -140,6 +138,28 @@ def test_acceptance_7net0_256_cu_on_two_ranks(tmp_path: Path) -> None:
         text=True,
         timeout=570,
     )
+    return done, out
+
+
+# the acceptance run launches its own mpirun: it runs in the background from the
+# module's first test on, while the in-process tests run (tests/background.py)
+LAUNCHES = {"test_acceptance_7net0_256_cu_on_two_ranks": launch_acceptance}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def launches(request, tmp_path_factory) -> Iterator[dict[str, Future]]:
+    cases = LAUNCHES if "7net-0" in SHIPPED else {}
+    yield from launch_in_background(request, tmp_path_factory, cases, lanes=1)
+
+
+@needs_7net0
+@pytest.mark.timeout(600)
+def test_acceptance_7net0_256_cu_on_two_ranks(launches: dict[str, Future]) -> None:
+    """`mpirun -n 2 ase-shard md cu.cif --model 7net-0 ... --trajectory out.xyz`: exit 0,
+    frames with energy and forces that ase.io reads. The issue's 20 steps take about
+    100 s here; the suite runs 2, writing every step (the 20-step run is in the issue
+    note)."""
+    done, out = launches["test_acceptance_7net0_256_cu_on_two_ranks"].result()
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("ase-shard md summary") == 1
     frames = read(out, ":")

@@ -2,7 +2,8 @@
 
 The scripts run as subprocesses (one rank, no mpirun) exactly as a user would
 start them; the MPI runs of the same code are covered by ``make demo`` and the
-``tests/test_sharded_*.py`` suites under mpirun.
+``tests/test_sharded_*.py`` suites under mpirun. The scripts run two at a time in the
+background from the module's first test on (:func:`launches`).
 """
 
 from __future__ import annotations
@@ -11,10 +12,13 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 from ase.io import read
+from background import launch_in_background
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 FLOAT = r"[-+]?\d+\.?\d*(?:[eE][-+]?\d+)?"
@@ -42,8 +46,55 @@ def run_example(name: str, *args: str, timeout: float = 120) -> str:
     return done.stdout
 
 
-def test_custom_model_forces_match_finite_difference():
-    out = run_example("custom_model.py")
+def launch_md_distributed(folder: Path) -> tuple[str, Path]:
+    traj = folder / "md.traj"
+    out = run_example(
+        "md_distributed.py",
+        "--size",
+        "3",
+        "--steps",
+        "10",
+        "--write-every",
+        "5",
+        "--trajectory",
+        str(traj),
+    )
+    return out, traj
+
+
+def launch_md_7net0(folder: Path) -> str:
+    pytest.importorskip("sevenn")
+    return run_example("md_7net0.py", "--steps", "5", timeout=300)
+
+
+# Every test runs one example: the runs go two at a time in the background from the
+# module's first test on, the longest first (tests/background.py); each test checks
+# what its own run printed. One run is one process on one core.
+LAUNCHES = {
+    "test_md_with_pretrained_7net0": launch_md_7net0,
+    "test_md_demo_conserves_energy_and_reports": lambda folder: run_example(
+        "md_cu.py", "--size", "3", "--steps", "20", "--print-every", "5"
+    ),
+    "test_md_distributed_logs_and_writes_every_interval": launch_md_distributed,
+    "test_custom_model_forces_match_finite_difference": lambda folder: run_example(
+        "custom_model.py"
+    ),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def launches(request, tmp_path_factory) -> Iterator[dict[str, Future]]:
+    yield from launch_in_background(request, tmp_path_factory, LAUNCHES, lanes=2)
+
+
+@pytest.fixture
+def launched(request, launches: dict[str, Future]):
+    """What this test's run returned."""
+    return launches[request.node.name].result()
+
+
+def test_custom_model_forces_match_finite_difference(launched: str):
+    out = launched
     assert "1 MPI rank(s)" in out
     energy = re.search(rf"energy: ({FLOAT}) eV", out)
     assert energy and abs(float(energy.group(1))) > 0
@@ -59,8 +110,8 @@ def test_custom_model_forces_match_finite_difference():
     assert abs(autograd - numeric) < 1e-7
 
 
-def test_md_demo_conserves_energy_and_reports():
-    out = run_example("md_cu.py", "--size", "3", "--steps", "20", "--print-every", "5")
+def test_md_demo_conserves_energy_and_reports(launched: str):
+    out = launched
     assert "108 atoms on 1 MPI rank(s)" in out
     assert "model EMT" in out
     # header + one line per 5 steps, ending on step 20
@@ -77,27 +128,15 @@ def test_md_demo_conserves_energy_and_reports():
     assert int(summary.group(2)) >= 1
 
 
-def test_md_with_pretrained_7net0():
-    pytest.importorskip("sevenn")
-    out = run_example("md_7net0.py", "--steps", "5", timeout=300)
+def test_md_with_pretrained_7net0(launched: str):
+    out = launched
     assert "7net-0 (cutoff 5.0 Å, 5 layers)" in out
     drift = float(re.search(r"drift ([-+0-9.e]+) eV/atom", out).group(1))
     assert abs(drift) < 1e-3
 
 
-def test_md_distributed_logs_and_writes_every_interval(tmp_path):
-    traj = tmp_path / "md.traj"
-    out = run_example(
-        "md_distributed.py",
-        "--size",
-        "3",
-        "--steps",
-        "10",
-        "--write-every",
-        "5",
-        "--trajectory",
-        str(traj),
-    )
+def test_md_distributed_logs_and_writes_every_interval(launched: tuple[str, Path]):
+    out, traj = launched
     assert "108 Cu atoms (EMT), distributed over 1 MPI rank(s)" in out
     times = [float(m.group(1)) for m in re.finditer(rf"^({FLOAT})\s+{FLOAT}\s+{FLOAT}", out, re.M)]
     assert times == [0.0, 0.01, 0.02]  # ps: every 5 steps of 2 fs

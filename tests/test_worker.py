@@ -12,10 +12,14 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
+from background import launch_in_background
 from spawned import assert_clean_shutdown
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,6 +57,10 @@ print("PIDS", json.dumps(pids))
 """
 
 
+# the spawning scripts, by test id: how each ends
+FINISH = {"close": "calc.close()", "exit": ""}
+
+
 def _leftover_workers() -> list[str]:
     listing = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     return [line for line in listing.splitlines() if WORKER_MARK in line and "ps -eo" not in line]
@@ -71,14 +79,16 @@ def _assert_no_orphans() -> None:
     assert not _leftover_workers()
 
 
-def test_serve_under_mpirun() -> None:
-    ranks = 3
-    done = _run(
+SERVE_RANKS = 3
+
+
+def _serve_under_mpirun(folder: Path) -> subprocess.CompletedProcess:
+    return _run(
         [
             str(BIN / "mpirun"),
             "--oversubscribe",
             "-n",
-            str(ranks),
+            str(SERVE_RANKS),
             sys.executable,
             "examples/worker_mode.py",
             "--size",
@@ -87,14 +97,10 @@ def test_serve_under_mpirun() -> None:
             "10",
         ]
     )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("ranks=")]
-    assert lines == [lines[0]] and lines[0].startswith(f"ranks={ranks} atoms=108")
-    drift = float(lines[0].split("drift=")[1].split()[0])
-    assert abs(drift) < 1e-3
 
 
-def test_serve_releases_workers_at_exit_without_close(tmp_path: Path) -> None:
-    script = tmp_path / "no_close.py"
+def _serve_without_close(folder: Path) -> subprocess.CompletedProcess:
+    script = folder / "no_close.py"
     script.write_text(
         textwrap.dedent("""
         import ase_shard
@@ -107,21 +113,70 @@ def test_serve_releases_workers_at_exit_without_close(tmp_path: Path) -> None:
             print("energy", atoms.get_potential_energy())
     """)
     )
-    done = _run([str(BIN / "mpirun"), "--oversubscribe", "-n", "3", sys.executable, str(script)])
-    assert done.stdout.count("energy") == 1
+    return _run([str(BIN / "mpirun"), "--oversubscribe", "-n", "3", sys.executable, str(script)])
 
 
-@pytest.mark.parametrize("finish", ["calc.close()", ""], ids=["close", "exit"])
-def test_spawned_workers(tmp_path: Path, finish: str) -> None:
+# one spawning script at a time: _assert_no_orphans looks at every process of the machine
+_SPAWNING = threading.Lock()
+
+
+def _spawned(folder: Path, name: str) -> subprocess.CompletedProcess:
+    """The spawning script ending as :data:`FINISH` ``[name]`` says; right after it exits,
+    its ``prte`` and workers must be gone (:func:`assert_clean_shutdown`) and no worker
+    left anywhere (:func:`_assert_no_orphans`)."""
+    script = folder / "spawn.py"
+    script.write_text(SPAWN_SCRIPT.format(finish=FINISH[name]))
+    with _SPAWNING:
+        done = _run([sys.executable, str(script)])
+        assert_clean_shutdown(done)
+        _assert_no_orphans()
+    return done
+
+
+# Every test checks one launched process tree: the launches run two at a time in the
+# background from the module's first test on, a spawning script next to an mpirun job
+# that spawns nothing (tests/background.py); each test checks its own launch.
+LAUNCHES = {
+    "test_spawned_workers[close]": lambda folder: _spawned(folder, "close"),
+    "test_serve_under_mpirun": _serve_under_mpirun,
+    "test_spawned_workers[exit]": lambda folder: _spawned(folder, "exit"),
+    "test_serve_releases_workers_at_exit_without_close": _serve_without_close,
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def launches(request, tmp_path_factory) -> Iterator[dict[str, Future]]:
+    yield from launch_in_background(request, tmp_path_factory, LAUNCHES, lanes=2)
+
+
+@pytest.fixture
+def launched(request, launches: dict[str, Future]) -> subprocess.CompletedProcess:
+    """What this test's launch returned."""
+    return launches[request.node.name].result()
+
+
+def test_serve_under_mpirun(launched: subprocess.CompletedProcess) -> None:
+    ranks = SERVE_RANKS
+    lines = [line for line in launched.stdout.splitlines() if line.startswith("ranks=")]
+    assert lines == [lines[0]] and lines[0].startswith(f"ranks={ranks} atoms=108")
+    drift = float(lines[0].split("drift=")[1].split()[0])
+    assert abs(drift) < 1e-3
+
+
+def test_serve_releases_workers_at_exit_without_close(
+    launched: subprocess.CompletedProcess,
+) -> None:
+    assert launched.stdout.count("energy") == 1
+
+
+@pytest.mark.parametrize("finish", list(FINISH))
+def test_spawned_workers(finish: str, launched: subprocess.CompletedProcess) -> None:
     """Two spawned ranks compute exactly; close() or interpreter exit stops them, quietly.
 
-    ``prte`` and the two workers (their pids printed by the script) are gone soon after.
+    ``prte`` and the two workers (their pids printed by the script) are gone soon after
+    (checked right after the script exits: :func:`_spawned`).
     """
-    script = tmp_path / "spawn.py"
-    script.write_text(SPAWN_SCRIPT.format(finish=finish))
-    done = _run([sys.executable, str(script)])
+    done = launched
     assert "ranks=3" in done.stdout and "owners=[1, 2]" in done.stdout, done.stdout
     error = float(done.stdout.split("error=")[1].split()[0])
     assert error < 1e-10
-    assert_clean_shutdown(done)
-    _assert_no_orphans()
