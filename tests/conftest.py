@@ -4,6 +4,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 
 import ase_shard  # noqa: F401  (initialises MPI before ASE touches ase.parallel.world)
@@ -22,3 +23,10 @@ def pytest_configure(config) -> None:
         config.option.basetemp = (
             Path(tempfile.gettempdir()) / f"ase-shard-pytest-{_COMM.size}ranks-rank{_COMM.rank}"
         )
+
+
+@pytest.fixture
+def launched(request, launches):
+    """What this test's launch returned, in modules that start their launches in the
+    background (a module-scoped ``launches`` fixture, see tests/background.py)."""
+    return launches[request.node.name].result()

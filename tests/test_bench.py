@@ -360,9 +360,3 @@ LAUNCHES = {
 @pytest.fixture(scope="module", autouse=True)
 def launches(request, tmp_path_factory) -> Iterator[dict[str, Future]]:
     yield from launch_in_background(request, tmp_path_factory, LAUNCHES, lanes=1)
-
-
-@pytest.fixture
-def launched(request, launches: dict[str, Future]):
-    """What this test's launch returned."""
-    return launches[request.node.name].result()

@@ -87,12 +87,6 @@ def launches(request, tmp_path_factory) -> Iterator[dict[str, Future]]:
     yield from launch_in_background(request, tmp_path_factory, LAUNCHES, lanes=2)
 
 
-@pytest.fixture
-def launched(request, launches: dict[str, Future]):
-    """What this test's run returned."""
-    return launches[request.node.name].result()
-
-
 def test_custom_model_forces_match_finite_difference(launched: str):
     out = launched
     assert "1 MPI rank(s)" in out

@@ -149,12 +149,6 @@ def launches(request, tmp_path_factory) -> Iterator[dict[str, Future]]:
     yield from launch_in_background(request, tmp_path_factory, LAUNCHES, lanes=2)
 
 
-@pytest.fixture
-def launched(request, launches: dict[str, Future]) -> subprocess.CompletedProcess:
-    """What this test's launch returned."""
-    return launches[request.node.name].result()
-
-
 def test_serve_under_mpirun(launched: subprocess.CompletedProcess) -> None:
     ranks = SERVE_RANKS
     lines = [line for line in launched.stdout.splitlines() if line.startswith("ranks=")]
