@@ -342,14 +342,9 @@ class Autograd(torch.nn.Module):
         return self.model(graph)
 
 
-class WithoutHops(torch.nn.Module):
-    """``model`` given its graphs without ``hops``, as ``torch.compile``'s padded ones are."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-        self.cutoff, self.num_layers = model.cutoff, model.num_layers
-        self.atomic_types = model.atomic_types
+class WithoutHops(Autograd):
+    """``model`` given its graphs without ``hops``, as ``torch.compile``'s padded ones are
+    (by the autograd path, as :class:`Autograd`)."""
 
     def forward(self, graph):
         return self.model(dataclasses.replace(graph, hops=None))
