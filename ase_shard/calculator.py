@@ -550,12 +550,12 @@ class ShardedCalculator(Calculator):
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes):
         # the caller's Atoms too, so a re-synchronisation (see _settle) reaches them
         self._copies = [copy for copy in (atoms,) if copy is not None]
-        distributed = isinstance(atoms if atoms is not None else self.atoms, DistributedAtoms)
+        given = atoms if atoms is not None else self.atoms
+        distributed = isinstance(given, DistributedAtoms)
         if distributed:
             # atoms migrate in place: the caller's (a driver's) atoms, not a copy, which
             # is taken once they have moved (what the next call compares)
-            atoms = atoms if atoms is not None else self.atoms
-            self.atoms = None
+            atoms, self.atoms = given, None
         else:
             Calculator.calculate(self, atoms, properties, system_changes)
             atoms = self.atoms
