@@ -179,6 +179,10 @@ class BareModel:
             box = atoms.cell.array if periodic else np.zeros((3, 3))
             nl = vesin.NeighborList(cutoff=float(self.model.cutoff) + self.skin, full_list=True)
             i, j, shifts = nl.compute(atoms.positions, box, periodic=atoms.pbc, quantities="ijS")
+            if getattr(direct_forces(self.model), "newton_pair", False):
+                # one edge per pair (both of a self-image pair), as LocalBlock lists them
+                once = j >= i
+                i, j, shifts = i[once], j[once], shifts[once]
             self.pairs = tuple(
                 torch.as_tensor(a.astype(np.int64), device=self.device) for a in (i, j, shifts)
             )

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ase_shard.exchange import HaloExchange
-from ase_shard.graph import EdgeList, Hops, LocalGraph, direct_forces
+from ase_shard.graph import EdgeList, Hops, LocalGraph, direct_forces, model_dtype
 from ase_shard.halo import RankRows
 from ase_shard.neighbors import neighbor_pairs
 from ase_shard.padding import Capacities, pad_graph
@@ -122,6 +122,31 @@ def kept_edges_on_device(keep: torch.Tensor, last: torch.Tensor) -> tuple[torch.
     return torch.nonzero_static(keep, size=kept[-1]).squeeze(1), kept
 
 
+def centre_takes_pair(centre_ids: np.ndarray, neighbour_ids: np.ndarray) -> np.ndarray:
+    """Whether the rank of each edge's centre evaluates its pair, the two atoms owned apart.
+
+    Exactly one of ``centre_takes_pair(a, b)`` and ``centre_takes_pair(b, a)``
+    is true for ``a != b``, so one of the two ranks takes the pair. A hash of
+    the pair, not the atoms' order, decides which: each rank takes about half
+    of the pairs it shares with another, however the atoms are numbered.
+
+    Parameters
+    ----------
+    centre_ids, neighbour_ids : (E,) int arrays
+        Global atom indices of the edges' ends.
+
+    Returns
+    -------
+    (E,) bool array
+    """
+    low = np.minimum(centre_ids, neighbour_ids).astype(np.uint64)
+    high = np.maximum(centre_ids, neighbour_ids).astype(np.uint64)
+    # unsigned products wrap around modulo 2**64, alike on every rank
+    mixed = (low * np.uint64(0x9E3779B97F4A7C15)) ^ (high * np.uint64(0xC2B2AE3D27D4EB4F))
+    mixed = (mixed ^ (mixed >> np.uint64(29))) * np.uint64(0xBF58476D1CE4E5B9)
+    return ((mixed >> np.uint64(32)) & np.uint64(1)).astype(bool) == (centre_ids < neighbour_ids)
+
+
 def edge_images(
     n_edges: int, shifted: np.ndarray, shifts: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -182,6 +207,11 @@ class LocalBlock:
         than this (only pairs within the model's cutoff are seen; 0: no check).
     neighbor_list : {"auto", "numba", "vesin", "torch"}
         The neighbour search (see :func:`ase_shard.neighbors.neighbor_pairs`).
+    pair_halo : HaloExchange, optional
+        Given on every rank, or on none: with it a model that declares
+        ``newton_pair`` and sums its own forces here evaluates a pair between
+        two ranks on one of them (:func:`centre_takes_pair`), exchanging
+        per-node sums through it (:attr:`ase_shard.graph.EdgeList.halo`).
     """
 
     def __init__(
@@ -198,6 +228,7 @@ class LocalBlock:
         compiled=None,
         min_distance: float = 0.0,
         neighbor_list: str = "auto",
+        pair_halo: HaloExchange | None = None,
     ):
         self.device = torch.device(device)
         self.timer = timer or PhaseTimer(self.device)
@@ -216,10 +247,13 @@ class LocalBlock:
         self.capacity: Capacities | None = None
         self._shift_cell: np.ndarray | None = None  # cell of the cached offsets
         self._result: torch.Tensor | None = None
-        # a one-layer built-in potential sums its own forces on a CPU (no autograd)
+        # a one-layer built-in potential sums its own forces on a CPU in float64 (no autograd)
         on_host = self.device.type == "cpu" and exchange is None and compiled is None
+        on_host = on_host and model_dtype(model) == torch.float64
         self._direct = direct_forces(model) if on_host else None
         self._columns: np.ndarray | None = None  # the direct path's result
+        newton_pair = self._direct is not None and bool(getattr(model, "newton_pair", False))
+        self._pair_halo = pair_halo if newton_pair else None
         types = getattr(model, "atomic_types", None)
         self.fill_number = int(min(types)) if types else 1  # padding nodes' element
 
@@ -238,6 +272,10 @@ class LocalBlock:
                 neighbor_list=neighbor_list,
             )
             neighbour = node[neighbour_row]
+            if newton_pair:
+                kept = self._pairs_once(centre, neighbour).nonzero().squeeze(1)
+                centre, neighbour_row = centre[kept], neighbour_row[kept]
+                neighbour = neighbour[kept]
             # the edges within the cutoff at a step are counted per hop level
             # (what ends each level); one level when all are centred on owned nodes
             ends = [centre.shape[0]]
@@ -260,6 +298,22 @@ class LocalBlock:
                 self._images = edge_images(
                     centre.shape[0], self.shifted_edges.numpy(), self.edge_shift.numpy()
                 )
+
+    def _pairs_once(self, centre: torch.Tensor, neighbour: torch.Tensor) -> torch.Tensor:
+        """Which edges a ``newton_pair`` model evaluates: one per pair.
+
+        Of a pair of owned nodes, the edge from the lower one; an edge to an
+        image of its own centre (both images are listed) and, without a pair
+        halo, every edge to a ghost. With one, the edges to ghosts whose pair
+        this rank takes (:func:`centre_takes_pair`); the other rank lists the
+        same pair and leaves it.
+        """
+        keep = neighbour >= centre  # ghosts are numbered after every owned node
+        if self._pair_halo is not None:
+            ghost = (neighbour >= self.n_owned).nonzero().squeeze(1)
+            ends = self.ids[centre[ghost].numpy()], self.ids[neighbour[ghost].numpy()]
+            keep[ghost] = torch.from_numpy(centre_takes_pair(*ends))
+        return keep
 
     def _count_hops(
         self, centre: torch.Tensor, neighbour: torch.Tensor, depth: int
@@ -375,7 +429,7 @@ class LocalBlock:
         float64 without ``torch.compile``, from the edges listed at the last
         rebuild: no edge vectors, cutoff filtering or autograd here.
         """
-        if self._direct is not None and dtype == torch.float64 and self.capacity is None:
+        if self._direct is not None:
             return self._evaluate_direct(node_rows, cell)
         timer = self.timer
         with timer.phase("forward"):
@@ -459,6 +513,7 @@ class LocalBlock:
                 shifts @ cell,
                 self.n_owned,
                 float(self.model.cutoff),
+                self._pair_halo,
             )
             closest = self._direct.energy_forces(edges, columns)
         with self.timer.phase("reverse"):

@@ -421,7 +421,9 @@ class ShardedCalculator(Calculator):
                 "forces are not usable for MD; pass dtype=torch.float32 to run such a model"
             )
         self.model = placed(model, self.device, self.dtype)
-        views = self.comm.allgather((error, model_digest(self.model)))
+        views = self.comm.allgather((error, model_digest(self.model), self.device.type))
+        # models that sum their own forces on the host may then split pairs between ranks
+        self._on_host_everywhere = all(view[2] == "cpu" for view in views)
         errors = [view[0] for view in views if view[0] is not None]
         differing = [rank for rank, view in enumerate(views) if view[1] != views[0][1]]
         if errors or differing:
@@ -904,6 +906,7 @@ class ShardedCalculator(Calculator):
                 self._compiled,
                 self.parameters["min_distance"],
                 self.parameters["neighbor_list"],
+                state.exchange if comm.size > 1 and self._on_host_everywhere else None,
             )
             needed = self._block.needed()
         except Exception as exc:

@@ -7,7 +7,8 @@ CPU tensors in place, device tensors through host buffers that are allocated
 once and reused (:class:`StagingBuffers`, page-locked on CUDA), or handed to
 MPI directly where it is CUDA-aware. The same
 plan sums the ghost nodes' results (forces, virials) into their owners
-(:meth:`HaloExchange.sum_into_owned_columns`).
+(:meth:`HaloExchange.sum_into_owned_columns`), and kernels that evaluate a pair
+between two ranks once exchange per-node sums through it between their passes.
 
 Every rank must run the same exchanges, forward and backward, or the
 collectives would pair up wrongly and hang. Two rules make sure of it:
@@ -239,6 +240,30 @@ class HaloExchange:
         back = self.comm.alltoallv_rows(ghosts, self.recv_counts, self.send_counts)
         torch.from_numpy(owned).index_add_(1, self.send_rows, torch.from_numpy(back.T))
         return owned
+
+    def sum_ghost_columns(self, columns: np.ndarray) -> None:
+        """:meth:`sum_into_owned_columns` within an evaluation, after a status vote.
+
+        For kernels that exchange between their passes
+        (:class:`ase_shard.graph.GhostColumns`).
+        """
+        self.vote()
+        self.sum_into_owned_columns(columns)
+
+    def copy_owner_columns(self, columns: np.ndarray) -> None:
+        """Ghost nodes' columns set to their owners' (host, no autograd), after a status vote.
+
+        Parameters
+        ----------
+        columns : (k, n_owned + n_ghosts) float64 array
+            As in :meth:`sum_into_owned_columns`; its ghost columns are overwritten.
+        """
+        self.vote()
+        if self.comm.size == 1:
+            return  # no ghosts
+        sent = columns[:, self.send_rows.numpy()].T
+        received = self.comm.alltoallv_rows(sent, self.send_counts, self.recv_counts)
+        columns[:, self.n_owned : self.n_owned + self.n_ghosts] = received.T
 
     def _move(self, rows: torch.Tensor, send_counts, recv_counts) -> torch.Tensor:
         """The rows that the other ranks send for ``rows`` sent, grouped by rank, on its device.

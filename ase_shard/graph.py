@@ -147,9 +147,10 @@ class EdgeList:
     """A block's listed edges, on the host in float64, for models that sum their own forces.
 
     The edges are those of the last rebuild (every pair within ``cutoff +
-    skin``), all centred on owned nodes, both directions of a pair between two
-    of them, in no particular order; a model keeps those shorter than
-    ``cutoff``.
+    skin``), all centred on owned nodes, in no particular order: both
+    directions of a pair between two of them, or with ``newton_pair`` (see
+    :class:`DirectForces`) only the one from the lower node; a model keeps
+    those shorter than ``cutoff``.
 
     Attributes
     ----------
@@ -165,6 +166,13 @@ class EdgeList:
     n_owned : int
     cutoff : float
         Å: edges this long or longer are left out.
+    halo : GhostColumns, optional
+        Given to a model that declares ``newton_pair`` when every rank
+        evaluates this way and there are several: the block then lists a
+        pair between two ranks on one of them only, and the model takes
+        each edge to a ghost for both ends, exchanging the ghost ends'
+        per-node sums through ``halo`` (collective: every rank calls the same
+        exchanges in the same order; see :mod:`ase_shard.kernels`).
     """
 
     positions: np.ndarray
@@ -175,6 +183,23 @@ class EdgeList:
     offsets: np.ndarray
     n_owned: int
     cutoff: float
+    halo: GhostColumns | None = None
+
+
+class GhostColumns(Protocol):
+    """Per-node values between a block's ghost nodes and their owners, on the host.
+
+    ``columns`` is a ``(k, n)`` float64 array: one row per quantity, one
+    column per node (owned, then ghosts). Both calls are collective and end
+    in :class:`ase_shard.exchange.PeerFailure` on every rank when another
+    rank failed instead of joining (:class:`ase_shard.exchange.HaloExchange`).
+    """
+
+    def sum_ghost_columns(self, columns: np.ndarray) -> None:
+        """Add every ghost column, on whichever rank, into its owner's column."""
+
+    def copy_owner_columns(self, columns: np.ndarray) -> None:
+        """Overwrite every ghost column with its owner's column."""
 
 
 class DirectForces(Protocol):
@@ -190,6 +215,11 @@ class DirectForces(Protocol):
     force and ``-g`` to ``j``'s, and ``sym(d ⊗ g) / 2`` to each one's virial; a
     pair potential may move a pair's contributions to the node they belong to
     instead, as both directions are listed on the ranks of their centres.
+
+    A model that sets ``newton_pair = True`` (LAMMPS's ``newton_pair on``)
+    takes a pair from one edge for both ends: it is given one edge per pair
+    of owned nodes, and with ``edges.halo`` one rank's edge per pair between
+    two ranks.
     ``ShardedCalculator`` uses it on CPU in float64, without ``torch.compile``
     and with one layer; anywhere else, and for ``forward``, the model's
     autograd path counts. The built-in potentials have it (``ase_shard.kernels``).

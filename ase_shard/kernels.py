@@ -20,10 +20,14 @@ edge would have added. Ghost columns stay zero.
 EMT (two passes): the energy of a centre depends on its density, so its edges
 also give ``-g`` and half the virial to their neighbours, as the autograd path
 does. A pair of owned atoms is taken once for both directions (its exponentials
-serve both densities), an edge to a ghost or to an image of its own centre for
-itself. The first pass sums the densities and keeps three numbers per pair
-taken; the second, once every owned atom's ``dE/dsigma1`` is known, sums the
-forces and virials.
+serve both densities), an edge to an image of its own centre for itself. The
+first pass sums the densities and keeps three numbers per pair taken; the
+second, once every owned atom's ``dE/dsigma1`` is known, sums the forces and
+virials. A pair between two ranks is taken on one of them for both ends when
+the edges come with a halo (:attr:`ase_shard.graph.EdgeList.halo`, Newton's
+third law across ranks as in LAMMPS): the ghost ends' densities go to their
+owners between the passes and their ``dE/dsigma1`` come back. Without one
+each rank takes its own end.
 
 Compiled on first use and cached on disk by numba (``cache=True``); this
 module is imported only by models that are evaluated through it. Divisions
@@ -99,9 +103,21 @@ def emt_forces(
         The smallest squared length (Å²) among all listed edges (``inf`` for none).
     """
     numbers = np.ascontiguousarray(edges.numbers, dtype=np.int64)
-    return _emt_forces(
-        table, rc, acut, beta, edges.cutoff**2, numbers, *_arrays(edges), edges.n_owned, out
+    arrays = _arrays(edges)
+    cutoff2, n_owned, halo = edges.cutoff**2, edges.n_owned, edges.halo
+    split = halo is not None
+    sums = np.zeros((2, len(numbers)))  # the densities, the pair sums sigma2 (eV)
+    terms, closest = _emt_densities(
+        table, rc, acut, beta, cutoff2, numbers, *arrays, n_owned, split, sums
     )
+    if split:
+        halo.sum_ghost_columns(sums)
+    dcohesive = np.zeros((1, len(numbers)))
+    _emt_energies(table, beta, numbers, sums, n_owned, out, dcohesive[0])
+    if split:
+        halo.copy_owner_columns(dcohesive)
+    _emt_pair_forces(cutoff2, *arrays, n_owned, split, terms, dcohesive[0], out)
+    return closest
 
 
 def _arrays(edges: EdgeList) -> tuple[np.ndarray, ...]:
@@ -207,19 +223,31 @@ def _flush(out, node, n_owned, acc):  # pragma: no cover - compiled
     acc[:] = 0.0
 
 
+@numba.njit(cache=True, inline="always")
+def _ends(i, j, n_owned, split):  # pragma: no cover - compiled
+    """What EMT's edge ``(i, j)`` stands for: 0 nothing, 1 its centre's side, 2 both ends.
+
+    A pair of owned nodes is taken once, by its edge with ``i < j`` (a list
+    may hold only that one); an edge to an image of its own centre stands for
+    itself. An edge to a ghost stands for both ends when ``split`` (its rank
+    takes the pair), else for its centre's side (the ghost's owner takes the
+    other side).
+    """
+    if j < n_owned:
+        if j < i:
+            return 0
+        return 1 if j == i else 2
+    return 2 if split else 1
+
+
 @numba.njit(cache=True, error_model="numpy")
-def _emt_forces(  # pragma: no cover - compiled
+def _emt_densities(  # pragma: no cover - compiled
     table, rc, acut, beta, cutoff2, numbers, positions, centre, neighbour, image, offsets,
-    n_owned, out,
+    n_owned, split, sums,
 ):
-    # Each pair once: the edge (i, j) with i < j between two owned nodes stands
-    # for both directions (the reverse one is skipped); an edge to a ghost or to
-    # an image of its own centre stands for itself.
-    n_nodes = positions.shape[0]
+    """Pass 1: each node's density and pair sum into ``sums`` (2, n); per-pair terms."""
     inverse_n0 = 1.0 / table[:, _N0]  # divisions are slow: one per element, not per edge
     inverse_beta = 1.0 / beta
-    sigma1 = np.zeros(n_nodes)  # the densities
-    sphere = np.zeros(n_nodes)  # the pair sums sigma2, as energies
     # per edge taken: d(density w)/dr / r seen from the centre and from the
     # neighbour, and 0.5 d(pair w)/dr / r (the same seen from either end)
     terms = np.empty((centre.shape[0], 3))
@@ -227,7 +255,8 @@ def _emt_forces(  # pragma: no cover - compiled
     taken = 0
     for e in range(centre.shape[0]):
         i, j = centre[e], neighbour[e]
-        if j < i and j < n_owned:
+        ends = _ends(i, j, n_owned, split)
+        if ends == 0:
             continue
         dx, dy, dz = _edge(e, positions, centre, neighbour, image, offsets)
         r2 = dx * dx + dy * dy + dz * dz
@@ -253,46 +282,59 @@ def _emt_forces(  # pragma: no cover - compiled
             )
         pair = es + eo
         dpair = (table[zj, _KAPPA] * es + table[zi, _KAPPA] * eo) * inverse_beta * w
-        sigma1[i] += density * w
-        sphere[i] += pair * w
+        sums[0, i] += density * w
+        sums[1, i] += pair * w
         terms[taken, 0] = density * (dw - table[zj, _ETA2] * w) / r
         terms[taken, 2] = 0.5 * (pair * dw - dpair) / r
-        if j < n_owned and j != i:
+        if ends == 2:
             if zi != zj:
                 density = math.exp(-table[zi, _ETA2] * (r - beta * table[zi, _S0])) / chi
-            sigma1[j] += density * w
-            sphere[j] += pair * w
+            sums[0, j] += density * w
+            sums[1, j] += pair * w
             terms[taken, 1] = density * (dw - table[zi, _ETA2] * w) / r
         taken += 1
+    return terms, closest
 
-    # each owned node's energy and dE/dsigma1 (none without neighbours)
-    dcohesive = np.zeros(n_nodes)
+
+@numba.njit(cache=True, error_model="numpy")
+def _emt_energies(table, beta, numbers, sums, n_owned, out, dcohesive):  # pragma: no cover
+    """Each owned node's energy into ``out`` and its ``dE/dsigma1`` (none without neighbours)."""
     for i in range(n_owned):
         z = numbers[i]
-        out[0, i] += 0.5 * sphere[i] - table[z, _E0]
-        if sigma1[i] > 0.0:
+        out[0, i] += 0.5 * sums[1, i] - table[z, _E0]
+        if sums[0, i] > 0.0:
             e0, lmbda, kappa = table[z, _E0], table[z, _LAMBDA], table[z, _KAPPA]
             scale = beta * table[z, _ETA2]
-            ds = -math.log(sigma1[i] * table[z, _INV12GAMMA1]) / scale
+            ds = -math.log(sums[0, i] * table[z, _INV12GAMMA1]) / scale
             lambda_term = math.exp(-lmbda * ds)
             kappa_term = 6.0 * table[z, _V0] * math.exp(-kappa * ds)
             out[0, i] += e0 * (1.0 + lmbda * ds) * lambda_term + kappa_term
             dcohesive_dds = -e0 * lmbda * lmbda * ds * lambda_term - kappa * kappa_term
-            dcohesive[i] = -dcohesive_dds / (scale * sigma1[i])
+            dcohesive[i] = -dcohesive_dds / (scale * sums[0, i])
 
-    # forces and virials: dE_i/dd = c d gives +c d to i, -c d to j and c d (x) d
-    # halved to each; a pair taken for both directions adds the reverse edge's c
+
+@numba.njit(cache=True, error_model="numpy")
+def _emt_pair_forces(  # pragma: no cover - compiled
+    cutoff2, positions, centre, neighbour, image, offsets, n_owned, split, terms, dcohesive, out
+):
+    """Pass 2: forces and virials of the pairs taken in pass 1, once ``dcohesive`` is known.
+
+    ``dE_i/dd = c d`` gives ``+c d`` to ``i``, ``-c d`` to ``j`` and ``c d ⊗ d``
+    halved to each; a pair taken for both ends adds the reverse edge's ``c``.
+    """
+    n_nodes = positions.shape[0]
     rows = np.zeros((n_nodes, 10))  # one node's sums together: one or two cache lines
     taken = 0
     for e in range(centre.shape[0]):
         i, j = centre[e], neighbour[e]
-        if j < i and j < n_owned:
+        ends = _ends(i, j, n_owned, split)
+        if ends == 0:
             continue
         dx, dy, dz = _edge(e, positions, centre, neighbour, image, offsets)
         if dx * dx + dy * dy + dz * dz >= cutoff2:
             continue
         c = dcohesive[i] * terms[taken, 0] + terms[taken, 2]
-        if j < n_owned and j != i:
+        if ends == 2:
             c += dcohesive[j] * terms[taken, 1] + terms[taken, 2]
         taken += 1
         rows[i, 1] += c * dx
@@ -306,4 +348,3 @@ def _emt_forces(  # pragma: no cover - compiled
     for node in range(n_nodes):
         for k in range(1, 10):
             out[k, node] += rows[node, k]
-    return closest

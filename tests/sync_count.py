@@ -290,6 +290,26 @@ def reuse_step(atoms, move: float = 0.02, seed: int = 0) -> Syncs:
     return syncs
 
 
+def rank_blocks(model, atoms, n_ranks: int, skin: float = 0.5, **options) -> list[LocalBlock]:
+    """Every rank's full-halo block of a spatial ``n_ranks``-way split, built in this process.
+
+    ``options`` go to :class:`LocalBlock`.
+    """
+    pbc, cell = atoms.pbc, atoms.cell.array
+    width = receptive_field(model) + skin
+    coords = frame_coordinates(atoms.positions, cell, pbc)
+    owners = spatial_owners(coords, choose_grid(coords, pbc, n_ranks, width))
+    blocks = []
+    for rows in rank_rows(coords, pbc, owners, n_ranks, width):
+        ids = rows.ids[: rows.n_nodes]
+        blocks.append(
+            LocalBlock(
+                rows, atoms.numbers[ids], atoms.positions[ids], cell, model, skin, "cpu", **options
+            )
+        )
+    return blocks
+
+
 def split_reuse_step(
     model, atoms, n_ranks: int, skin: float = 0.5, move: float = 0.02, seed: int = 0
 ) -> tuple[np.ndarray, list[tuple[LocalBlock, Syncs]]]:
@@ -307,23 +327,15 @@ def split_reuse_step(
     steps : list of (LocalBlock, Syncs)
         Each rank's block and the syncs of its counted step.
     """
-    pbc, cell = atoms.pbc, atoms.cell.array
-    width = receptive_field(model) + skin
-    coords = frame_coordinates(atoms.positions, cell, pbc)
-    owners = spatial_owners(coords, choose_grid(coords, pbc, n_ranks, width))
     rng = np.random.default_rng(seed)
     moved = atoms.positions + rng.uniform(-move, move, atoms.positions.shape)
     results = np.zeros((len(atoms), RESULT_COLUMNS))
     steps = []
-    for rows in rank_rows(coords, pbc, owners, n_ranks, width):
-        ids = rows.ids[: rows.n_nodes]
-        block = LocalBlock(
-            rows, atoms.numbers[ids], atoms.positions[ids], cell, model, skin, "cpu"
-        )
+    for block in rank_blocks(model, atoms, n_ranks, skin):
         for _ in range(3):
             with count_syncs() as syncs:
-                columns = block.evaluate(moved[ids], cell, model_dtype(model))
-        np.add.at(results, ids, columns.T)
+                columns = block.evaluate(moved[block.ids], atoms.cell.array, model_dtype(model))
+        np.add.at(results, block.ids, columns.T)
         steps.append((block, syncs))
     return results, steps
 

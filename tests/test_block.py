@@ -1,15 +1,22 @@
-"""Serial checks of the per-row sums of edge gradients (no MPI).
+"""Serial checks of a block's pieces (no MPI): per-row sums of edge gradients, and
+the edges listed for models that take each pair once.
 
-The oracle is numpy's unbuffered ``np.add.at`` with the virial written out as
-outer products, not the code under test.
+The oracles: numpy's unbuffered ``np.add.at`` with the virial written out as
+outer products, and the full neighbour list of the autograd path.
 """
 
 from __future__ import annotations
 
-import numpy as np
-import torch
+from collections import Counter
 
-from ase_shard.block import sum_edge_gradients
+import numpy as np
+import pytest
+import torch
+from ase.build import bulk
+from sync_count import Autograd, rank_blocks
+
+from ase_shard.block import centre_takes_pair, sum_edge_gradients
+from ase_shard.models import EMT
 
 VOIGT = [(0, 0), (1, 1), (2, 2), (1, 2), (0, 2), (0, 1)]
 
@@ -50,3 +57,57 @@ def test_sum_edge_gradients_without_edges() -> None:
     index = torch.zeros(0, dtype=torch.int64)
     got = sum_edge_gradients(index, index, empty, empty, 3)
     assert got.shape == (3, 9) and not got.any()
+
+
+def test_centre_takes_pair_once_and_evenly() -> None:
+    """One of the two ends' ranks takes each pair, about half the pairs each, also for
+    atoms numbered like a crystal (ids that differ by the same offsets across a boundary)."""
+    rng = np.random.default_rng(3)
+    a = rng.integers(0, 10**7, 20_000)
+    b = rng.integers(0, 10**7, 20_000)
+    a, b = a[a != b], b[a != b]
+    assert (centre_takes_pair(a, b) != centre_takes_pair(b, a)).all()
+    assert 0.47 < centre_takes_pair(a, b).mean() < 0.53
+    low = np.arange(5_000)
+    for offset in (1, 2, 3, 4, 5, 80, 1600, 31_999):
+        share = centre_takes_pair(low, low + offset).mean()
+        assert 0.45 < share < 0.55, (offset, share)
+
+
+class _PairHalo:
+    """Stands in for a rank's HaloExchange: which edges a block lists is settled when it
+    is built, before any exchange (an evaluation would call it)."""
+
+
+def _pairs(block) -> Counter:
+    """The block's edges as atom pairs ``(a, b, cell shift)``, each pair one way round."""
+    centre, neighbour = block.centre.numpy(), block.neighbour.numpy()
+    shift = block.node_shift.numpy()
+    cells = shift[neighbour] - shift[centre]
+    cells[block.shifted_edges.numpy()] += block.edge_shift.numpy()
+    a, b = block.ids[centre], block.ids[neighbour]
+    cells = cells.astype(np.int64)
+    # (b, a, -s) is (a, b, s) seen from b; a self-image pair (a, a, +-s) keeps its larger shift
+    flip = (a > b) | ((a == b) & [tuple(c) < tuple(-c) for c in cells])
+    low, high = np.where(flip, b, a), np.where(flip, a, b)
+    cells = np.where(flip[:, None], -cells, cells)
+    return Counter(zip(low.tolist(), high.tolist(), map(tuple, cells.tolist()), strict=True))
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_newton_pair_blocks_list_each_pair_once(ranks: int) -> None:
+    """EMT (``newton_pair``) on every rank's block: each pair of atoms once over all
+    ranks, where a full list (the autograd path's) holds it from both ends; a
+    self-image pair twice, as in the full list."""
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat((4, 3, 3))
+    atoms.pbc = (True, False, True)
+    atoms.rattle(0.05, seed=4)
+    listed = Counter()
+    for block in rank_blocks(EMT(), atoms, ranks, pair_halo=_PairHalo()):
+        assert ranks == 1 or block.n_nodes > block.n_owned  # pairs between ranks
+        listed.update(_pairs(block))
+    (full,) = rank_blocks(Autograd(EMT()), atoms, 1)
+    both_ways = _pairs(full)
+    assert set(both_ways.values()) == {2}
+    expected = {pair: 2 if pair[0] == pair[1] else 1 for pair in both_ways}
+    assert dict(listed) == expected

@@ -11,6 +11,7 @@ lists every fault with the test that drives it. Faults already covered by
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -152,6 +153,37 @@ def test_non_finite_model_output(fault: str) -> None:
     message = _fail_then_recover(Faulty(fault, {LAST}), FloatingPointError, "non-finite")
     assert f"rank {LAST}" in message
     assert re.search(r"atoms \[\d+", message), message
+
+
+class FailsBetweenExchanges(EMT):
+    """EMT whose compiled kernel fails on ``ranks``, while ``armed``, after its first
+    exchange between ranks and before its second (see ``ase_shard.kernels``)."""
+
+    def __init__(self, ranks: set[int]):
+        super().__init__()
+        self.ranks, self.armed = ranks, False
+
+    def energy_forces(self, edges, out):
+        if self.armed and COMM.rank in self.ranks:
+            edges = dataclasses.replace(edges, halo=_SecondExchangeFails(edges.halo))
+        return super().energy_forces(edges, out)
+
+
+class _SecondExchangeFails:
+    def __init__(self, halo):
+        self.halo = halo
+
+    def sum_ghost_columns(self, columns):
+        self.halo.sum_ghost_columns(columns)
+
+    def copy_owner_columns(self, columns):
+        raise Boom("kernel failed")
+
+
+@pytest.mark.skipif(COMM.size == 1, reason="one rank: the kernel exchanges nothing")
+def test_kernel_exception_between_its_exchanges() -> None:
+    """The other ranks wait in the kernel's second exchange: they stop there, not hang."""
+    _fail_then_recover(FailsBetweenExchanges({LAST}), Boom, rf"kernel failed \[rank {LAST}\]$")
 
 
 # -- 3: bad or unusual input ----------------------------------------------------------

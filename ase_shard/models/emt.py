@@ -76,6 +76,7 @@ class EMT(torch.nn.Module):
 
     num_layers = 1
     atomic_types = tuple(sorted(atomic_numbers[symbol] for symbol in parameters))
+    newton_pair = True  # energy_forces takes each pair once (ase_shard.graph.DirectForces)
 
     def __init__(self) -> None:
         super().__init__()
