@@ -167,10 +167,18 @@ def edge_images(
     table : (m, 3) float64 array
         The distinct shifts in cells, zero first: ``table @ cell`` are the offsets in Å.
     """
-    distinct, inverse = np.unique(shifts.reshape(-1, 3), axis=0, return_inverse=True)
+    # whole cells in a small box: a key per shift and a lookup table, no sort (np.unique
+    # over rows sorted 10^5 of them by slow row comparisons at every rebuild)
+    cells = np.rint(shifts).astype(np.int64).reshape(-1, 3)
+    low = cells.min(axis=0, initial=0)
+    span = cells.max(axis=0, initial=0) - low + 1
+    key = np.ravel_multi_index((cells - low).T, span)
+    present = np.zeros(int(np.prod(span)), dtype=bool)
+    present[key] = True
+    distinct = np.stack(np.unravel_index(np.flatnonzero(present), span), axis=1) + low
     table = np.concatenate([np.zeros((1, 3)), distinct])
     image = np.zeros(n_edges, dtype=np.int16 if len(table) <= 2**15 else np.int32)
-    image[shifted] = inverse.reshape(-1) + 1
+    image[shifted] = np.cumsum(present)[key]  # rows of ``distinct`` from 1: 0 is no shift
     return image, table
 
 
@@ -290,10 +298,13 @@ class LocalBlock:
             self.centre = centre
             self.neighbour = neighbour
             # cells between the neighbour's row and its node, kept for the few edges
-            # that cross to a periodic image (24 bytes an edge for all would add up)
-            shift = image_shift[neighbour_row] - image_shift[self.neighbour]
-            self.shifted_edges = shift.any(dim=1).nonzero().squeeze(1)
-            self.edge_shift = shift[self.shifted_edges]
+            # that cross to a periodic image (24 bytes an edge for all would add up):
+            # those to a folded row, another image of its node than the node's own
+            self.shifted_edges = (neighbour_row >= self.n_nodes).nonzero().squeeze(1)
+            self.edge_shift = (
+                image_shift[neighbour_row[self.shifted_edges]]
+                - image_shift[neighbour[self.shifted_edges]]
+            )
             if self._direct is not None:
                 self._images = edge_images(
                     centre.shape[0], self.shifted_edges.numpy(), self.edge_shift.numpy()

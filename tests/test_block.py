@@ -15,7 +15,7 @@ import torch
 from ase.build import bulk
 from sync_count import Autograd, rank_blocks
 
-from ase_shard.block import centre_takes_pair, sum_edge_gradients
+from ase_shard.block import centre_takes_pair, edge_images, sum_edge_gradients
 from ase_shard.models import EMT
 
 VOIGT = [(0, 0), (1, 1), (2, 2), (1, 2), (0, 2), (0, 1)]
@@ -111,3 +111,19 @@ def test_newton_pair_blocks_list_each_pair_once(ranks: int) -> None:
     assert set(both_ways.values()) == {2}
     expected = {pair: 2 if pair[0] == pair[1] else 1 for pair in both_ways}
     assert dict(listed) == expected
+
+
+def test_edge_images_match_numpys_unique_rows() -> None:
+    """Whole-cell shifts of some edges as rows of a table of distinct shifts, zero first."""
+    rng = np.random.default_rng(6)
+    n_edges = 5_000
+    shifted = np.sort(rng.choice(n_edges, 1_500, replace=False))
+    shifts = rng.integers(-3, 4, (len(shifted), 3)).astype(np.float64)
+    shifts[shifts[:, 2] == 0, 2] = 5  # no zero shift; an uneven box of shifts
+    image, table = edge_images(n_edges, shifted, shifts)
+    np.testing.assert_array_equal(table[0], 0.0)
+    np.testing.assert_array_equal(table[1:], np.unique(shifts, axis=0))
+    np.testing.assert_array_equal(table[image[shifted]], shifts)
+    assert not np.delete(image, shifted).any()
+    image, table = edge_images(3, np.zeros(0, dtype=np.int64), np.zeros((0, 3)))
+    assert not image.any() and table.shape == (1, 3)
