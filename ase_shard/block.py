@@ -18,7 +18,7 @@ from ase_shard.neighbors import neighbor_pairs
 from ase_shard.padding import Capacities, pad_graph
 from ase_shard.timing import PhaseTimer
 
-# Rows of the per-node result: owned energy, force (3), virial Voigt (6).
+# Rows of the per-node result: energy, force (3), virial Voigt (6).
 RESULT_COLUMNS = 10
 _VOIGT = ((0, 0), (1, 1), (2, 2), (1, 2), (0, 2), (0, 1))
 
@@ -426,7 +426,7 @@ class LocalBlock:
         -------
         numpy.ndarray
             ``(RESULT_COLUMNS, n_nodes)`` float64 on the host, one row per
-            quantity (each contiguous): per-atom energy in eV (owned nodes only), force in
+            quantity (each contiguous): per-atom energy in eV, force in
             eV/Å (3 rows), and the virial ``sum d ⊗ dE/dd`` in eV (Voigt order
             xx, yy, zz, yz, xz, xy) with each edge's share split evenly
             between its two atoms. Ghost nodes' columns hold contributions

@@ -206,7 +206,7 @@ class DirectForces(Protocol):
     """Optional for one-layer models: energies, forces and virials without autograd.
 
     ``energy_forces(edges, out)`` adds, for the edges of ``edges`` shorter than
-    ``edges.cutoff``, the owned nodes' energies (eV, row 0), the forces (eV/Å,
+    ``edges.cutoff``, the nodes' energies (eV, row 0), the forces (eV/Å,
     rows 1-3) and the virials (eV, rows 4-9, Voigt xx yy zz yz xz xy) to the
     zeroed ``(10, n)`` float64 array ``out``, and returns the smallest squared
     length (Å²) among all the listed edges (``inf`` without edges), for the
@@ -214,12 +214,14 @@ class DirectForces(Protocol):
     path's: each edge ``(i, j)`` with ``g = dE_i/dd`` gives ``+g`` to ``i``'s
     force and ``-g`` to ``j``'s, and ``sym(d ⊗ g) / 2`` to each one's virial; a
     pair potential may move a pair's contributions to the node they belong to
-    instead, as both directions are listed on the ranks of their centres.
+    instead, as both directions are listed on the ranks of their centres. A
+    ghost's energy counts towards its owner's, like its force.
 
     A model that sets ``newton_pair = True`` (LAMMPS's ``newton_pair on``)
     takes a pair from one edge for both ends: it is given one edge per pair
     of owned nodes, and with ``edges.halo`` one rank's edge per pair between
     two ranks.
+
     ``ShardedCalculator`` uses it on CPU in float64, without ``torch.compile``
     and with one layer; anywhere else, and for ``forward``, the model's
     autograd path counts. The built-in potentials have it (``ase_shard.kernels``).

@@ -9,25 +9,24 @@ the block's ``(10, n_nodes)`` result columns (see
 formulas are those of the torch models in :mod:`ase_shard.models`, whose
 derivatives are written out here.
 
-Pair potentials (one pass) use the full list's symmetry: both directions of
-every pair within the cutoff are listed on the ranks that own their centres
-(the halo holds every atom within ``cutoff + skin`` of an owned one), and a
-pair's force on each end comes from the edge centred there. So each edge adds
-``2 g`` (``g = dE_centre/dd``) to its centre's force and the whole ``d ⊗ g``
-to its centre's virial, and nothing to its neighbour: the halves the reverse
-edge would have added. Ghost columns stay zero.
+Every built-in potential takes a pair once, for both ends (``newton_pair``,
+see :class:`ase_shard.graph.DirectForces`): a pair of owned atoms from its
+edge with ``i < j``, an edge to an image of its own centre for itself, and a
+pair between two ranks on one of them when the edges come with a halo
+(:attr:`ase_shard.graph.EdgeList.halo`, Newton's third law across ranks as in
+LAMMPS); the ghost end's share goes to the ghost's columns, which the
+calculator sums into its owner. Without a halo each rank takes its own end of
+an edge to a ghost.
 
-EMT (two passes): the energy of a centre depends on its density, so its edges
-also give ``-g`` and half the virial to their neighbours, as the autograd path
-does. A pair of owned atoms is taken once for both directions (its exponentials
-serve both densities), an edge to an image of its own centre for itself. The
-first pass sums the densities and keeps three numbers per pair taken; the
-second, once every owned atom's ``dE/dsigma1`` is known, sums the forces and
-virials. A pair between two ranks is taken on one of them for both ends when
-the edges come with a halo (:attr:`ase_shard.graph.EdgeList.halo`, Newton's
-third law across ranks as in LAMMPS): the ghost ends' densities go to their
-owners between the passes and their ``dE/dsigma1`` come back. Without one
-each rank takes its own end.
+Pair potentials (one pass): each end gets half the pair's energy, ``-+dE/dd``
+as its force and half of the virial ``d ⊗ dE/dd``.
+
+EMT (two passes): the energy of an atom depends on its density, so an edge
+gives each end its own energy terms. The first pass sums the densities and
+keeps three numbers per pair taken; the second, once every atom's
+``dE/dsigma1`` is known, sums the forces and virials. Between them, with a
+halo, the ghost ends' densities go to their owners and their ``dE/dsigma1``
+come back.
 
 Compiled on first use and cached on disk by numba (``cache=True``); this
 module is imported only by models that are evaluated through it. Divisions
@@ -72,15 +71,18 @@ def pair_forces(kind: int, params: np.ndarray, edges: EdgeList, out: np.ndarray)
     edges : EdgeList
         Every edge centred on an owned node.
     out : (10, n_nodes) float64 array
-        Per-node energy (eV, owned nodes), force (eV/Å, 3 rows) and virial
-        (eV, Voigt xx yy zz yz xz xy), added to.
+        Per-node energy (eV; a ghost's share belongs to its owner), force
+        (eV/Å, 3 rows) and virial (eV, Voigt xx yy zz yz xz xy), added to.
 
     Returns
     -------
     float
         The smallest squared length (Å²) among all listed edges (``inf`` for none).
     """
-    return _pair_forces(kind, params, edges.cutoff**2, *_arrays(edges), edges.n_owned, out)
+    split = edges.halo is not None
+    return _pair_forces(
+        kind, params, edges.cutoff**2, *_arrays(edges), edges.n_owned, split, out
+    )
 
 
 def emt_forces(
@@ -187,45 +189,45 @@ def _pair(kind, params, r2):  # pragma: no cover - compiled
 
 @numba.njit(cache=True, error_model="numpy")
 def _pair_forces(  # pragma: no cover - compiled
-    kind, params, cutoff2, positions, centre, neighbour, image, offsets, n_owned, out
+    kind, params, cutoff2, positions, centre, neighbour, image, offsets, n_owned, split, out
 ):
     closest = np.inf
-    run = -1  # the centre of the current run of edges, whose sums ``acc`` holds
-    acc = np.zeros((1, 10))
+    rows = np.zeros((positions.shape[0], 10))  # one node's sums together, as in EMT
     for e in range(centre.shape[0]):
+        i, j = centre[e], neighbour[e]
+        ends = _ends(i, j, n_owned, split)
+        if ends == 0:
+            continue
         dx, dy, dz = _edge(e, positions, centre, neighbour, image, offsets)
         r2 = dx * dx + dy * dy + dz * dz
         closest = min(closest, r2)
         if r2 >= cutoff2:
             continue
-        if centre[e] != run:
-            _flush(out, run, n_owned, acc)
-            run = centre[e]
         pair, dpair = _pair(kind, params, r2)
-        # dE_centre/dd = 0.5 pair'(r2) 2 d; the centre takes both edges' halves
-        acc[0, 0] += 0.5 * pair
-        acc[0, 1] += 2.0 * dpair * dx
-        acc[0, 2] += 2.0 * dpair * dy
-        acc[0, 3] += 2.0 * dpair * dz
-        _add_virial(acc, 0, dpair, dx, dy, dz)
-    _flush(out, run, n_owned, acc)
+        # each end's share: half the energy, the force -+ dE/dd = -+ 2 pair'(r2) d
+        # and half of the virial d ⊗ dE/dd
+        _add_pair_end(rows, i, 0.5 * pair, 2.0 * dpair, dpair, dx, dy, dz)
+        if ends == 2:
+            _add_pair_end(rows, j, 0.5 * pair, -2.0 * dpair, dpair, dx, dy, dz)
+    for node in range(rows.shape[0]):
+        for k in range(10):
+            out[k, node] += rows[node, k]
     return closest
 
 
 @numba.njit(cache=True, error_model="numpy", inline="always")
-def _flush(out, node, n_owned, acc):  # pragma: no cover - compiled
-    """Add one centre's sums to its columns and clear them (``node < 0``: none yet)."""
-    if node >= 0:
-        if node < n_owned:
-            out[0, node] += acc[0, 0]
-        for k in range(1, 10):
-            out[k, node] += acc[0, k]
-    acc[:] = 0.0
+def _add_pair_end(rows, node, energy, force, virial, dx, dy, dz):  # pragma: no cover
+    """One end's energy, force ``force d`` and virial ``virial d ⊗ d`` into its sums."""
+    rows[node, 0] += energy
+    rows[node, 1] += force * dx
+    rows[node, 2] += force * dy
+    rows[node, 3] += force * dz
+    _add_virial(rows, node, virial, dx, dy, dz)
 
 
 @numba.njit(cache=True, inline="always")
 def _ends(i, j, n_owned, split):  # pragma: no cover - compiled
-    """What EMT's edge ``(i, j)`` stands for: 0 nothing, 1 its centre's side, 2 both ends.
+    """What edge ``(i, j)`` stands for: 0 nothing, 1 its centre's side, 2 both ends.
 
     A pair of owned nodes is taken once, by its edge with ``i < j`` (a list
     may hold only that one); an edge to an image of its own centre stands for

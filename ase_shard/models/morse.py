@@ -30,6 +30,7 @@ class Morse(torch.nn.Module):
 
     num_layers = 1
     atomic_types = None
+    newton_pair = True  # energy_forces takes each pair once (ase_shard.graph.DirectForces)
 
     def __init__(
         self,
