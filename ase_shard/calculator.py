@@ -33,7 +33,7 @@ import torch
 from ase import Atoms
 from ase.calculators.calculator import Calculator, all_changes, compare_atoms
 
-from ase_shard.block import RESULT_COLUMNS, LocalBlock
+from ase_shard.block import LocalBlock
 from ase_shard.comm import CALCULATE, CLOSE, Comm, describe, node_local_rank, rebuild
 from ase_shard.distributed import GLOBAL_ID, DistributedAtoms, migrate
 from ase_shard.exchange import HaloExchange, PeerFailure
@@ -1192,7 +1192,7 @@ class ShardedCalculator(Calculator):
         """
         comm = self.comm
         # ghosts' shares of energy (a pair taken once) and virial count towards the total
-        partial = columns[np.r_[0, 4:RESULT_COLUMNS]].sum(axis=1)
+        partial = np.concatenate([columns[0].sum(keepdims=True), columns[4:].sum(axis=1)])
         wanted = [
             (name, rows)
             for name, rows in _PER_ATOM
