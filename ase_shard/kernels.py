@@ -209,10 +209,16 @@ def _pair_forces(  # pragma: no cover - compiled
         _add_pair_end(rows, i, 0.5 * pair, 2.0 * dpair, dpair, dx, dy, dz)
         if ends == 2:
             _add_pair_end(rows, j, 0.5 * pair, -2.0 * dpair, dpair, dx, dy, dz)
+    _add_node_sums(out, rows)
+    return closest
+
+
+@numba.njit(cache=True, error_model="numpy", inline="always")
+def _add_node_sums(out, rows):  # pragma: no cover - compiled
+    """Node-major ``(n, 10)`` sums into the ``(10, n)`` result columns."""
     for node in range(rows.shape[0]):
         for k in range(10):
             out[k, node] += rows[node, k]
-    return closest
 
 
 @numba.njit(cache=True, error_model="numpy", inline="always")
@@ -347,6 +353,4 @@ def _emt_pair_forces(  # pragma: no cover - compiled
         rows[j, 3] -= c * dz
         _add_virial(rows, i, 0.5 * c, dx, dy, dz)
         _add_virial(rows, j, 0.5 * c, dx, dy, dz)
-    for node in range(n_nodes):
-        for k in range(1, 10):
-            out[k, node] += rows[node, k]
+    _add_node_sums(out, rows)  # no energies here: their row is zero
