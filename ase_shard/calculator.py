@@ -45,7 +45,7 @@ from ase_shard.graph import (
     supports_layer_halo,
 )
 from ase_shard.halo import RankRows, fold_rows, images_near_domains, local_rows, rank_rows
-from ase_shard.inputs import ModelInputs, pack, unpack
+from ase_shard.inputs import ModelInputs, pack, take_rows, unpack
 from ase_shard.neighbors import NEIGHBOR_LISTS
 from ase_shard.padding import Capacities
 from ase_shard.partition import (
@@ -207,9 +207,9 @@ class _Decomposition:
     counts : (P, 4) int array
         Rows, owned atoms, nodes and sent rows of every rank.
     exchange : HaloExchange
-    owners, order : (N,) int arrays
-        Owner of every atom, and the atoms in rank order (where gathered
-        results go; ``None`` for the atoms' own order). Every rank under
+    owners, gathered_row : (N,) int arrays
+        Owner of every atom, and each atom's row in results gathered in rank
+        order (``None`` when that is the atoms' own order). Every rank under
         SPMD; rank 0 in worker mode.
     layouts : list of RankRows
         Worker mode, rank 0: every rank's rows.
@@ -227,7 +227,7 @@ class _Decomposition:
     counts: np.ndarray | None = None
     exchange: HaloExchange | None = None
     owners: np.ndarray | None = None
-    order: np.ndarray | None = None
+    gathered_row: np.ndarray | None = None
     layouts: list[RankRows] | None = None
     root_nodes: np.ndarray | None = None
     node_counts: np.ndarray | None = None
@@ -241,14 +241,16 @@ class _Decomposition:
         return ids
 
 
-def _order(owners: np.ndarray) -> np.ndarray | None:
-    """Atoms by owner rank, ascending within a rank: the order of gathered results.
+def _gathered_rows(owners: np.ndarray) -> np.ndarray | None:
+    """Each atom's row in results gathered by owner rank (ascending ids within a rank).
 
     ``None`` when that is the atoms' own order (one rank, contiguous blocks).
     """
     if (np.diff(owners) >= 0).all():
         return None
-    return np.argsort(owners, kind="stable")
+    rows = np.empty(len(owners), dtype=np.int64)
+    rows[np.argsort(owners, kind="stable")] = np.arange(len(owners))
+    return rows
 
 
 def _failed_frames() -> int:
@@ -980,7 +982,7 @@ class ShardedCalculator(Calculator):
             rows=rows,
             numbers=atoms.numbers[rows.ids[: rows.n_nodes]],
             owners=owners,
-            order=_order(owners),
+            gathered_row=_gathered_rows(owners),
         )
 
     def _plan_distributed(self, atoms: DistributedAtoms, request: _Request) -> _Decomposition:
@@ -1133,7 +1135,7 @@ class ShardedCalculator(Calculator):
         )
         if comm.is_root:
             state.owners, state.layouts = owners, layouts
-            state.order = _order(owners)
+            state.gathered_row = _gathered_rows(owners)
             state.root_nodes = np.concatenate([r.ids[: r.n_nodes] for r in layouts])
         return state
 
@@ -1173,10 +1175,11 @@ class ShardedCalculator(Calculator):
 
     def _node_rows(self, atoms: Atoms, ids: np.ndarray | slice) -> np.ndarray:
         """Positions and packed per-atom inputs of the atoms ``ids``."""
+        positions = take_rows(atoms.positions, ids)
         if not self.inputs.per_atom:
-            return atoms.positions[ids]
+            return positions
         arrays = self.inputs.per_atom_arrays(atoms)
-        return np.concatenate([atoms.positions[ids], pack(arrays, ids)], axis=1)
+        return np.concatenate([positions, pack(arrays, ids)], axis=1)
 
     # -- 4. results on their owners, then on every rank --------------------------------------
 
@@ -1218,11 +1221,11 @@ class ShardedCalculator(Calculator):
         for name, rows in wanted:
             part = values[:, start : start + len(rows)]
             start += len(rows)
-            if state.order is None or self._distributed:
+            if state.gathered_row is None or self._distributed:
                 result = part.copy()
             else:
-                result = np.empty_like(part)
-                result[state.order] = part
+                # a gather by row, several times faster than numpy's scatter into rows
+                result = np.take(part, state.gathered_row, axis=0)
             if name == "stresses":
                 result /= atoms.get_volume()
             self.results[name] = result[:, 0] if name == "energies" else result

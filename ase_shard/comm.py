@@ -11,6 +11,7 @@ only small control messages are pickled. Every call's CPU time is added to
 from __future__ import annotations
 
 import functools
+import math
 import os
 import sys
 import time
@@ -490,9 +491,11 @@ def _check_rows_buffer(name: str, array: Any, shape: tuple, dtype: Any) -> None:
 
 def _byte_sizes(array: np.ndarray, counts: Sequence[int]) -> tuple:
     """``(sizes, offsets)`` in bytes of consecutive blocks of ``counts`` rows of ``array``."""
-    row_bytes = array.dtype.itemsize * int(np.prod(array.shape[1:], dtype=np.int64))
+    row_bytes = array.dtype.itemsize * math.prod(array.shape[1:])
     sizes = np.asarray(counts, dtype=np.int64) * row_bytes
-    return sizes, np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    offsets = np.zeros_like(sizes)
+    np.cumsum(sizes[:-1], out=offsets[1:])
+    return sizes, offsets
 
 
 def _lor():

@@ -97,9 +97,14 @@ class ModelInputs:
         return digest.digest()
 
 
+def take_rows(array: np.ndarray, rows: np.ndarray | slice) -> np.ndarray:
+    """``array[rows]``: by ``np.take`` for an index array, several times faster for rows."""
+    return array[rows] if isinstance(rows, slice) else np.take(array, rows, axis=0)
+
+
 def pack(arrays: Mapping[str, np.ndarray], rows: np.ndarray | slice) -> np.ndarray:
     """Rows ``rows`` of the (one or more) per-atom arrays side by side, ``(n, k)`` float64."""
-    columns = [value[rows] for value in arrays.values()]
+    columns = [take_rows(value, rows) for value in arrays.values()]
     return np.concatenate([column.reshape(len(column), -1) for column in columns], axis=1)
 
 
