@@ -15,7 +15,11 @@ STAMP := $(VENV)/.ase-shard-installed
 MACE_BIN := $(VENV_MACE)/bin
 MACE_STAMP := $(VENV_MACE)/.ase-shard-installed
 MACE_TESTS := tests/test_mace.py tests/test_sharded_mace.py
-SHARDED_TESTS := $(filter-out $(MACE_TESTS),$(wildcard tests/test_sharded_*.py))
+# the other ML adapters and torch.compile: like MACE, under mpirun at ML_RANKS only (at 4
+# ranks on 2 cores they took 80 of the run's 200 s, 10-14 s per SevenNet case)
+ML_TESTS := tests/test_sharded_sevenn.py tests/test_sharded_nequip.py tests/test_sharded_compile.py
+ML_RANKS ?= 2 3
+SHARDED_TESTS := $(filter-out $(MACE_TESTS) $(ML_TESTS),$(wildcard tests/test_sharded_*.py))
 
 # Open MPI refuses root without these; one thread per rank avoids oversubscription.
 export OMPI_ALLOW_RUN_AS_ROOT := 1
@@ -60,9 +64,10 @@ test: lint $(MACE_STAMP)
 	$(GUARD) 900 $(BIN)/python -m pytest -q $(addprefix --ignore=,$(MACE_TESTS))
 	$(GUARD) 600 $(MACE_BIN)/python -m pytest -q -p no:cacheprovider $(MACE_TESTS)
 	set -e; for n in $(MPI_RANKS); do \
+		case " $(ML_RANKS) " in *" $$n "*) ml="$(ML_TESTS)";; *) ml="";; esac; \
 		echo "== pytest under mpirun -n $$n"; \
 		$(GUARD) 600 $(MPIRUN) -n $$n $(BIN)/python -m pytest -q --with-mpi \
-			-p no:cacheprovider $(SHARDED_TESTS); \
+			-p no:cacheprovider $(SHARDED_TESTS) $$ml; \
 	done
 	set -e; for n in $(MACE_RANKS); do \
 		echo "== MACE under mpirun -n $$n"; \
