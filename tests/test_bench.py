@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -360,3 +361,15 @@ LAUNCHES = {
 @pytest.fixture(scope="module", autouse=True)
 def launches(request, tmp_path_factory) -> Iterator[dict[str, Future]]:
     yield from launch_in_background(request, tmp_path_factory, LAUNCHES, lanes=1)
+
+
+def test_sync_skew_script_reports_every_segment() -> None:
+    """scripts/sync_skew.py: one line per rank with each segment's work and wait."""
+    command = [sys.executable, str(ROOT / "scripts" / "sync_skew.py")]
+    command += ["--work-ms", "2", "1", "--steps", "3"]
+    done = subprocess.run(command, capture_output=True, text=True, env=MPI_ENV, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("rank ")]
+    assert [line.split(":")[0] for line in lines] == ["rank 0"]
+    works, waits = (re.findall(rf"{word} [\d.]+", lines[0]) for word in ("work", "wait"))
+    assert len(works) == len(waits) == 2
