@@ -16,7 +16,7 @@ MACE_BIN := $(VENV_MACE)/bin
 MACE_STAMP := $(VENV_MACE)/.ase-shard-installed
 MACE_TESTS := tests/test_mace.py tests/test_sharded_mace.py
 # the other ML adapters and torch.compile: like MACE, under mpirun at ML_RANKS only (at 4
-# ranks on 2 cores they took 80 of the run's 200 s, 10-14 s per SevenNet case)
+# ranks on 2 cores they took 107 of the run's 198 s, 10-14 s per SevenNet case)
 ML_TESTS := tests/test_sharded_sevenn.py tests/test_sharded_nequip.py tests/test_sharded_compile.py
 ML_RANKS ?= 2 3
 SHARDED_TESTS := $(filter-out $(MACE_TESTS) $(ML_TESTS),$(wildcard tests/test_sharded_*.py))
