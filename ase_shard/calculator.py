@@ -1168,9 +1168,8 @@ class ShardedCalculator(Calculator):
         image shifts are added in the block.
         """
         exchange = self._state.exchange
-        ghosts = self.comm.alltoallv_rows(
-            owned[exchange.send_rows.numpy()], exchange.send_counts, exchange.recv_counts
-        )
+        sent = take_rows(owned, exchange.send_rows.numpy())
+        ghosts = self.comm.alltoallv_rows(sent, exchange.send_counts, exchange.recv_counts)
         return np.concatenate([owned, ghosts])
 
     def _node_rows(self, atoms: Atoms, ids: np.ndarray | slice) -> np.ndarray:
