@@ -65,7 +65,7 @@ import ase_shard
 from ase_shard.block import RESULT_COLUMNS, edge_images, sum_edge_gradients
 from ase_shard.calculator import ShardedCalculator
 from ase_shard.comm import Comm
-from ase_shard.graph import EdgeList, LocalGraph, direct_forces
+from ase_shard.graph import EdgeList, LocalGraph, direct_forces, takes_pairs_once
 from ase_shard.models import LennardJones
 from ase_shard.timing import PHASES, PhaseTimer
 
@@ -179,7 +179,7 @@ class BareModel:
             box = atoms.cell.array if periodic else np.zeros((3, 3))
             nl = vesin.NeighborList(cutoff=float(self.model.cutoff) + self.skin, full_list=True)
             i, j, shifts = nl.compute(atoms.positions, box, periodic=atoms.pbc, quantities="ijS")
-            if getattr(direct_forces(self.model), "newton_pair", False):
+            if takes_pairs_once(self.model):
                 # one edge per pair (both of a self-image pair), as LocalBlock lists them
                 once = j >= i
                 i, j, shifts = i[once], j[once], shifts[once]

@@ -12,7 +12,14 @@ import numpy as np
 import torch
 
 from ase_shard.exchange import HaloExchange
-from ase_shard.graph import EdgeList, Hops, LocalGraph, direct_forces, model_dtype
+from ase_shard.graph import (
+    EdgeList,
+    Hops,
+    LocalGraph,
+    direct_forces,
+    model_dtype,
+    takes_pairs_once,
+)
 from ase_shard.halo import RankRows
 from ase_shard.neighbors import neighbor_pairs
 from ase_shard.padding import Capacities, pad_graph
@@ -260,7 +267,7 @@ class LocalBlock:
         on_host = on_host and model_dtype(model) == torch.float64
         self._direct = direct_forces(model) if on_host else None
         self._columns: np.ndarray | None = None  # the direct path's result
-        newton_pair = self._direct is not None and bool(getattr(model, "newton_pair", False))
+        newton_pair = self._direct is not None and takes_pairs_once(model)
         self._pair_halo = pair_halo if newton_pair else None
         types = getattr(model, "atomic_types", None)
         self.fill_number = int(min(types)) if types else 1  # padding nodes' element

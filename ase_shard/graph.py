@@ -237,6 +237,11 @@ def direct_forces(model: ShardModel) -> DirectForces | None:
     return None
 
 
+def takes_pairs_once(model: ShardModel) -> bool:
+    """Whether the model computes its own forces taking each pair once (``newton_pair``)."""
+    return direct_forces(model) is not None and bool(getattr(model, "newton_pair", False))
+
+
 def supports_layer_halo(model: ShardModel) -> bool:
     """Whether the model exchanges ghost features between layers itself."""
     return bool(getattr(model, "supports_layer_halo", False))
