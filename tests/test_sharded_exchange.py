@@ -172,6 +172,32 @@ def test_layer_halo_equals_full_halo(pbc, partition: str) -> None:
     assert got["layer nodes"] <= got["full nodes"]
 
 
+def test_one_layer_models_see_each_foreign_atom_once() -> None:
+    """A one-layer model's ghost is an atom, whatever images of it its edges reach.
+
+    In a 10 Å box a 6 Å halo reaches several images of some foreign atoms: a
+    one-layer model folds them onto one ghost node (edges carry the shifts),
+    a deeper one with the full halo keeps one node per image (their
+    neighbourhoods differ at the halo's edge). Both equal the periodic graph.
+    """
+    atoms = random_gas((True, True, True))
+    for layers in (1, 2):
+        model = ToyMessagePassing(num_layers=layers)
+        calc = ShardedCalculator(model, halo="full")
+        atoms.calc = calc
+        errors = relative_errors(results(atoms), evaluate_periodic_graph(model, atoms))
+        assert all(err <= RTOL for err in errors.values()), (layers, errors)
+        # the ghost rows start with the ghost nodes, then the images folded onto nodes
+        ((ids, _),) = calc.decomposition["ghosts"].values()
+        _, owned, nodes = calc.layout_counts[COMM.rank]
+        ids = ids[: nodes - owned]
+        repeats = COMM.allgather(len(ids) - len(np.unique(ids)))
+        if layers == 1:
+            assert repeats == [0] * COMM.size
+        elif COMM.size > 1:
+            assert sum(repeats) > 0  # the case above is not vacuous
+
+
 class FailsOnLastRank(ToyMessagePassing):
     """Raises inside its second layer, on the last rank only, while ``armed``."""
 
