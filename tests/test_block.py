@@ -15,7 +15,12 @@ import torch
 from ase.build import bulk
 from sync_count import Autograd, rank_blocks
 
-from ase_shard.block import centre_takes_pair, edge_images, sum_edge_gradients
+from ase_shard.block import (
+    centre_takes_pair,
+    edge_images,
+    ghost_edges_first,
+    sum_edge_gradients,
+)
 from ase_shard.models import EMT
 
 VOIGT = [(0, 0), (1, 1), (2, 2), (1, 2), (0, 2), (0, 1)]
@@ -111,6 +116,23 @@ def test_newton_pair_blocks_list_each_pair_once(ranks: int) -> None:
     assert set(both_ways.values()) == {2}
     expected = {pair: 2 if pair[0] == pair[1] else 1 for pair in both_ways}
     assert dict(listed) == expected
+
+
+@pytest.mark.parametrize("n_ghosts", [40, 70_000])  # 16-bit and 32-bit sort keys
+def test_ghost_edges_first_grouped_by_ghost(n_ghosts: int) -> None:
+    """Edges to ghosts first, grouped by ghost in ascending order, each group and the
+    edges between owned nodes in their listed order; a permutation of all edges."""
+    rng = np.random.default_rng(8)
+    n_owned = 500
+    neighbour = rng.integers(0, n_owned + n_ghosts, 20_000)
+    order = ghost_edges_first(neighbour, n_owned)
+    np.testing.assert_array_equal(np.sort(order), np.arange(len(neighbour)))
+    to_ghost = int((neighbour >= n_owned).sum())
+    expected = sorted(range(len(neighbour)), key=lambda e: (neighbour[e] < n_owned, neighbour[e]))
+    expected = [e for e in expected if neighbour[e] >= n_owned]  # ties keep the listed order
+    np.testing.assert_array_equal(order[:to_ghost], expected)
+    np.testing.assert_array_equal(order[to_ghost:], np.flatnonzero(neighbour < n_owned))
+    assert len(ghost_edges_first(np.zeros(0, dtype=np.int64), n_owned)) == 0
 
 
 def test_edge_images_match_numpys_unique_rows() -> None:
