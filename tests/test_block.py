@@ -16,9 +16,9 @@ from ase.build import bulk
 from sync_count import Autograd, rank_blocks
 
 from ase_shard.block import (
+    by_ghost,
     centre_takes_pair,
     edge_images,
-    ghost_edges_first,
     sum_edge_gradients,
 )
 from ase_shard.models import EMT
@@ -119,20 +119,26 @@ def test_newton_pair_blocks_list_each_pair_once(ranks: int) -> None:
 
 
 @pytest.mark.parametrize("n_ghosts", [40, 70_000])  # 16-bit and 32-bit sort keys
-def test_ghost_edges_first_grouped_by_ghost(n_ghosts: int) -> None:
-    """Edges to ghosts first, grouped by ghost in ascending order, each group and the
-    edges between owned nodes in their listed order; a permutation of all edges."""
+def test_by_ghost_groups_edges_in_their_order(n_ghosts: int) -> None:
     rng = np.random.default_rng(8)
-    n_owned = 500
-    neighbour = rng.integers(0, n_owned + n_ghosts, 20_000)
-    order = ghost_edges_first(neighbour, n_owned)
-    np.testing.assert_array_equal(np.sort(order), np.arange(len(neighbour)))
-    to_ghost = int((neighbour >= n_owned).sum())
-    expected = sorted(range(len(neighbour)), key=lambda e: (neighbour[e] < n_owned, neighbour[e]))
-    expected = [e for e in expected if neighbour[e] >= n_owned]  # ties keep the listed order
-    np.testing.assert_array_equal(order[:to_ghost], expected)
-    np.testing.assert_array_equal(order[to_ghost:], np.flatnonzero(neighbour < n_owned))
-    assert len(ghost_edges_first(np.zeros(0, dtype=np.int64), n_owned)) == 0
+    ghost = rng.integers(0, n_ghosts, 20_000)
+    order = by_ghost(ghost)
+    expected = sorted(range(len(ghost)), key=lambda e: ghost[e])  # stable: ties as listed
+    np.testing.assert_array_equal(order, expected)
+    assert len(by_ghost(np.zeros(0, dtype=np.int64))) == 0
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_newton_pair_blocks_list_edges_to_ghosts_first(ranks: int) -> None:
+    """With a pair halo, a block's edges to ghosts come first, grouped by ghost."""
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat((4, 3, 3))
+    atoms.rattle(0.05, seed=4)
+    for block in rank_blocks(EMT(), atoms, ranks, pair_halo=_PairHalo()):
+        neighbour = block.neighbour.numpy()
+        to_ghost = int((neighbour >= block.n_owned).sum())
+        assert to_ghost > 0
+        assert (np.diff(neighbour[:to_ghost]) >= 0).all() and neighbour[0] >= block.n_owned
+        assert (neighbour[to_ghost:] < block.n_owned).all()
 
 
 def test_edge_images_match_numpys_unique_rows() -> None:
