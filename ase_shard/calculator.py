@@ -271,7 +271,7 @@ _CHANGES = (*all_changes, "model inputs")
 # per-atom arrays (see _close), and cell and pbc, for which np.allclose's own overhead
 # (about 70 us a call) was most of the checks' 0.6 ms per MD step of 32,000 atoms
 _PER_ATOM_STATE = ("positions", "numbers")
-_SHAPE_STATE = ("cell", "pbc")
+_BOX_STATE = ("cell", "pbc")
 
 
 def _close(a: np.ndarray, b: np.ndarray, tol: float) -> bool:
@@ -543,7 +543,7 @@ class ShardedCalculator(Calculator):
         or ``atoms.info`` values.
         """
         ignored = set(self.ignored_changes)
-        here = (*_SHAPE_STATE, *_PER_ATOM_STATE)
+        here = (*_BOX_STATE, *_PER_ATOM_STATE)
         changes = compare_atoms(self.atoms, atoms, tol, ignored | set(here))
         if self.atoms is not None:
             old = self.atoms
