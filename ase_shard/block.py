@@ -351,16 +351,15 @@ class LocalBlock:
         rank lists the same pair and leaves it) come first, grouped by ghost
         (:func:`by_ghost`).
         """
+        keep = neighbour >= centre  # ghosts are numbered after every owned node
         if self._pair_halo is None:
-            # ghosts are numbered after every owned node
-            return (neighbour >= centre).nonzero().squeeze(1)
-        to_ghost = neighbour >= self.n_owned
-        ghost = to_ghost.nonzero().squeeze(1)
+            return keep.nonzero().squeeze(1)
+        ghost = (neighbour >= self.n_owned).nonzero().squeeze(1)
         ends = self.ids[centre[ghost].numpy()], self.ids[neighbour[ghost].numpy()]
         taken = ghost[torch.from_numpy(centre_takes_pair(*ends))]
         taken = taken[torch.from_numpy(by_ghost(neighbour[taken].numpy() - self.n_owned))]
-        owned = ((neighbour >= centre) & ~to_ghost).nonzero().squeeze(1)
-        return torch.cat([taken, owned])
+        keep[ghost] = False  # the edges between owned nodes remain, in their order
+        return torch.cat([taken, keep.nonzero().squeeze(1)])
 
     def _count_hops(
         self, centre: torch.Tensor, neighbour: torch.Tensor, depth: int
