@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ase_shard.partition import FrameCoordinates
+from ase_shard.partition import FrameCoordinates, grouped_order
 
 
 @dataclass
@@ -226,9 +226,7 @@ def _rows_of(
 
 def _by_owner(owners: np.ndarray, n_ranks: int) -> tuple[np.ndarray, np.ndarray]:
     """Atoms sorted by owner (ascending ids within an owner), and atoms per owner."""
-    # 8/16-bit keys make numpy's stable argsort an O(N) radix sort
-    by_owner = np.argsort(owners.astype(np.min_scalar_type(n_ranks)), kind="stable")
-    return by_owner, np.bincount(owners, minlength=n_ranks)
+    return grouped_order(owners, n_ranks), np.bincount(owners, minlength=n_ranks)
 
 
 def _places(by_owner: np.ndarray, counts: np.ndarray) -> np.ndarray:

@@ -122,6 +122,15 @@ def grid_for_extent(
     return min(factorisations(n_ranks), key=halo_volume)
 
 
+def grouped_order(keys: np.ndarray, n_keys: int) -> np.ndarray:
+    """Indices sorted by their key in ``[0, n_keys)``, each key's in index order.
+
+    Keys cast to the smallest unsigned type that holds them: at 8 or 16 bits
+    numpy's stable argsort is an ``O(n)`` radix sort.
+    """
+    return np.argsort(keys.astype(np.min_scalar_type(max(n_keys - 1, 0))), kind="stable")
+
+
 def balanced_labels(values: np.ndarray, groups: np.ndarray, parts: int) -> np.ndarray:
     """Split each group into ``parts`` runs of equal count along ``values``.
 
@@ -133,8 +142,7 @@ def balanced_labels(values: np.ndarray, groups: np.ndarray, parts: int) -> np.nd
     if parts == 1 or len(values) == 0:
         return labels
     n_groups = int(groups.max()) + 1
-    # members of each group in index order (a radix sort of small integers)
-    by_group = np.argsort(groups.astype(np.min_scalar_type(n_groups)), kind="stable")
+    by_group = grouped_order(groups, n_groups)  # members of each group in index order
     counts = np.bincount(groups, minlength=n_groups)
     for members in np.split(by_group, np.cumsum(counts)[:-1]):
         n = len(members)

@@ -15,12 +15,7 @@ import torch
 from ase.build import bulk
 from sync_count import Autograd, rank_blocks
 
-from ase_shard.block import (
-    by_ghost,
-    centre_takes_pair,
-    edge_images,
-    sum_edge_gradients,
-)
+from ase_shard.block import centre_takes_pair, edge_images, sum_edge_gradients
 from ase_shard.models import EMT
 
 VOIGT = [(0, 0), (1, 1), (2, 2), (1, 2), (0, 2), (0, 1)]
@@ -116,16 +111,6 @@ def test_newton_pair_blocks_list_each_pair_once(ranks: int) -> None:
     assert set(both_ways.values()) == {2}
     expected = {pair: 2 if pair[0] == pair[1] else 1 for pair in both_ways}
     assert dict(listed) == expected
-
-
-@pytest.mark.parametrize("n_ghosts", [40, 70_000])  # 16-bit and 32-bit sort keys
-def test_by_ghost_groups_edges_in_their_order(n_ghosts: int) -> None:
-    rng = np.random.default_rng(8)
-    ghost = rng.integers(0, n_ghosts, 20_000)
-    order = by_ghost(ghost)
-    expected = sorted(range(len(ghost)), key=lambda e: ghost[e])  # stable: ties as listed
-    np.testing.assert_array_equal(order, expected)
-    assert len(by_ghost(np.zeros(0, dtype=np.int64))) == 0
 
 
 @pytest.mark.parametrize("ranks", [2, 3])

@@ -21,6 +21,7 @@ from ase_shard.partition import (
     contiguous_owners,
     frame_coordinates,
     frame_matrix,
+    grouped_order,
     plane_spacings,
     spatial_owners,
 )
@@ -612,3 +613,13 @@ def test_balanced_labels_follow_value_then_index_order(parts: int) -> None:
         members = np.flatnonzero(groups == group)
         order = members[np.lexsort((members, values[members]))]
         np.testing.assert_array_equal(got[order], np.arange(len(order)) * parts // len(order))
+
+
+@pytest.mark.parametrize("n_keys", [40, 70_000])  # 8/16-bit and 32-bit sort keys
+def test_grouped_order_is_a_stable_sort(n_keys: int) -> None:
+    rng = np.random.default_rng(8)
+    keys = rng.integers(0, n_keys, 20_000)
+    order = grouped_order(keys, n_keys)
+    expected = sorted(range(len(keys)), key=lambda e: keys[e])  # stable: ties as listed
+    np.testing.assert_array_equal(order, expected)
+    assert len(grouped_order(np.zeros(0, dtype=np.int64), 0)) == 0
