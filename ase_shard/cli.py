@@ -26,6 +26,7 @@ import argparse
 import importlib
 import importlib.metadata
 import importlib.util
+import math
 import os
 import platform
 import socket
@@ -93,11 +94,62 @@ class CLIError(Exception):
 @dataclass(frozen=True)
 class ModelSpec:
     """A resolved ``--model``: ``kind`` is ``builtin``, ``bench`` (random weights),
-    ``sevenn``, ``mace`` or ``nequip``; ``source`` the name or the file path."""
+    ``sevenn``, ``mace`` or ``nequip``; ``source`` the name or the file path;
+    ``label`` what the run prints; ``argument`` the ``--model`` value that finds
+    the model again from any directory (the name, or the file's absolute path),
+    which ``ase-shard md`` records in its frames for ``--restart``."""
 
     kind: str
     source: str
     label: str
+    argument: str
+
+
+def same_model(a: ModelSpec, b: ModelSpec) -> bool:
+    """Whether two resolved ``--model`` values are one model: the same built-in, or
+    the same file (a shipped checkpoint by name or by path)."""
+    if a.kind != b.kind:
+        return False
+    if a.kind in ("builtin", "bench"):
+        return a.source == b.source
+    return os.path.realpath(a.source) == os.path.realpath(b.source)
+
+
+@dataclass(frozen=True)
+class Number:
+    """An argparse ``type`` for a numeric option: a ``kind`` (int or float) that is
+    finite and at least ``minimum`` (above it, with ``strict``). argparse reports a
+    refusal as ``argument --OPTION: must be ..., not 'VALUE'`` and exits with status 2,
+    before anything runs."""
+
+    kind: type
+    minimum: float | None = None
+    strict: bool = False
+
+    def __call__(self, text: str) -> int | float:
+        try:
+            value = self.kind(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or (self.minimum is not None and not self._above(value)):
+            raise argparse.ArgumentTypeError(f"must be {self}, not {text!r}")
+        return value
+
+    def _above(self, value: float) -> bool:
+        return value > self.minimum if self.strict else value >= self.minimum
+
+    def __str__(self) -> str:
+        what = "an integer" if self.kind is int else "a finite number"
+        if self.minimum is None:
+            return what
+        return f"{what} {'>' if self.strict else '>='} {self.minimum:g}"
+
+
+FINITE = Number(float)
+POSITIVE = Number(float, 0, strict=True)
+NON_NEGATIVE = Number(float, 0)
+POSITIVE_INT = Number(int, 1)
+NON_NEGATIVE_INT = Number(int, 0)
 
 
 @dataclass(frozen=True)
@@ -232,16 +284,16 @@ def resolve_model(name: str, bench: bool = False) -> ModelSpec:
     """
     key = name.lower()  # sevenn's names are case-insensitive (7net-MF-0)
     if key in BUILTIN_MODELS:
-        return ModelSpec("builtin", key, key)
+        return ModelSpec("builtin", key, key, key)
     if bench and key in (*BENCH_MODELS, NO_EDGE):
-        return ModelSpec("bench", key, key)
+        return ModelSpec("bench", key, key, key)
     shipped = shipped_checkpoints()
     if key in shipped:
-        return ModelSpec("sevenn", str(shipped[key]), key)
+        return ModelSpec("sevenn", str(shipped[key]), key, key)
     if os.path.isfile(name):
         for ending, (kind, _) in MODEL_FILES.items():
             if name.endswith(ending):
-                return ModelSpec(kind, name, name)
+                return ModelSpec(kind, name, name, os.path.abspath(name))
         endings = ", ".join(f"{e} ({what})" for e, (_, what) in MODEL_FILES.items())
         raise CLIError(f"model file {name!r}: name it after its kind: {endings}")
     hint = " (sevenn downloads it; not available offline)" if key in SEVENN_CHECKPOINTS else ""
@@ -302,30 +354,33 @@ def add_md(subparsers: argparse._SubParsersAction) -> None:
         "the file are kept unless --temperature is given",
     )
     md.add_argument("--system", choices=SYSTEMS, help="built-in system (default cu-bulk)")
-    md.add_argument("--size", type=int, help="size N of the built-in system (see above)")
+    md.add_argument("--size", type=POSITIVE_INT, help="size N of the built-in system (see above)")
     md.add_argument(
         "--restart",
         metavar="TRAJ",
         help="continue from the last frame of a trajectory written by ase-shard md "
-        "(positions, momenta, cell, step, time) and append to it",
+        "(positions, momenta, cell, step, time) with the model its frames record (another "
+        "--model is refused), and append to it",
     )
     _add_model_options(md, bench=False)
     md.add_argument("--ensemble", choices=ENSEMBLES, default="nve", help="default nve")
-    md.add_argument("--steps", type=int, default=100, help="MD steps (default 100)")
-    md.add_argument("--timestep", type=float, default=2.0, help="fs (default 2)")
+    md.add_argument("--steps", type=NON_NEGATIVE_INT, default=100, help="MD steps (default 100)")
+    md.add_argument("--timestep", type=POSITIVE, default=2.0, help="fs (default 2)")
     md.add_argument(
         "--temperature",
-        type=float,
+        type=NON_NEGATIVE,
         help="K: thermostat target, and initial Maxwell-Boltzmann momenta rescaled so that "
         "the run starts at exactly this temperature (default: the system's; 300 K for files)",
     )
-    md.add_argument("--seed", type=int, default=42, help="random seed (default 42)")
-    md.add_argument("--friction", type=float, default=0.01, help="Langevin, 1/fs (0.01)")
-    md.add_argument("--taut", type=float, default=100.0, help="Berendsen T coupling, fs (100)")
-    md.add_argument("--taup", type=float, default=1000.0, help="Berendsen P coupling, fs (1000)")
-    md.add_argument("--pressure", type=float, default=1.0, help="npt-berendsen, bar (1)")
+    md.add_argument("--seed", type=NON_NEGATIVE_INT, default=42, help="random seed (default 42)")
+    md.add_argument("--friction", type=NON_NEGATIVE, default=0.01, help="Langevin, 1/fs (0.01)")
+    md.add_argument("--taut", type=POSITIVE, default=100.0, help="Berendsen T coupling, fs (100)")
     md.add_argument(
-        "--compressibility", type=float, help="npt-berendsen, 1/bar (default: the system's)"
+        "--taup", type=POSITIVE, default=1000.0, help="Berendsen P coupling, fs (1000)"
+    )
+    md.add_argument("--pressure", type=FINITE, default=1.0, help="npt-berendsen, bar (1)")
+    md.add_argument(
+        "--compressibility", type=POSITIVE, help="npt-berendsen, 1/bar (default: the system's)"
     )
     _add_calculator_options(md)
     md.add_argument(
@@ -341,7 +396,7 @@ def add_md(subparsers: argparse._SubParsersAction) -> None:
         help="table every --interval steps ('-': stdout): step, time, energies per atom, "
         "T, and pressure and volume with npt-berendsen",
     )
-    md.add_argument("--interval", type=int, default=10, help="steps between frames (10)")
+    md.add_argument("--interval", type=POSITIVE_INT, default=10, help="steps between frames (10)")
     md.add_argument(
         "--distributed",
         action="store_true",
@@ -354,7 +409,7 @@ def add_md(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_calculator_options(parser: argparse.ArgumentParser) -> None:
     """The ShardedCalculator options ``md`` and ``bench`` share."""
-    parser.add_argument("--skin", type=float, default=0.5, help="neighbour skin, Å (0.5)")
+    parser.add_argument("--skin", type=NON_NEGATIVE, default=0.5, help="neighbour skin, Å (0.5)")
     parser.add_argument("--partition", choices=PARTITIONS, default="spatial")
     parser.add_argument(
         "--halo", choices=HALOS, help="ghost scheme (default: layer where the model supports it)"
@@ -373,8 +428,6 @@ def _add_calculator_options(parser: argparse.ArgumentParser) -> None:
 
 def run_md(args: argparse.Namespace) -> int:
     """``ase-shard md``: check the arguments, then :func:`ase_shard.md.run`."""
-    if args.steps < 0 or args.interval < 1 or args.timestep <= 0:
-        raise CLIError("--steps must be >= 0, --interval >= 1 and --timestep > 0")
     if args.restart is not None and (args.structure or args.system or args.size):
         raise CLIError("--restart continues a trajectory: give no STRUCTURE, --system or --size")
     check_system_args(args)
@@ -385,24 +438,57 @@ def run_md(args: argparse.Namespace) -> int:
 
 
 def check_system_args(args: argparse.Namespace) -> None:
-    """Refuse STRUCTURE together with ``--system``/``--size``, and a size below 1."""
+    """Refuse STRUCTURE together with ``--system``/``--size``."""
     if args.structure is not None and (args.system is not None or args.size is not None):
         raise CLIError("give a STRUCTURE file or --system/--size, not both")
-    if args.size is not None and args.size < 1:
-        raise CLIError(f"--size must be >= 1, not {args.size}")
 
 
 def load_system(args: argparse.Namespace) -> tuple[Atoms, Defaults, str]:
     """The ``Atoms`` of STRUCTURE or ``--system`` (identical on every rank), their
-    defaults and a label; :func:`check_system_args` has checked ``args``."""
-    if args.structure is not None:
-        from ase.io import read
+    defaults and a label; :func:`check_system_args` has checked ``args``.
 
-        return read(args.structure), FILE_DEFAULTS, args.structure
+    An (extended) XYZ file without ``Lattice`` runs as an isolated cluster, with no
+    cell and no periodic axis: rank 0 says so on stderr, as a crystal that lost its
+    cell would otherwise run silently. Other formats say whether there is a cell.
+    """
+    if args.structure is not None:
+        from ase.io.formats import filetype
+
+        atoms = read_structure(args.structure, "structure file")
+        xyz = filetype(args.structure, read=False) == "extxyz"  # .xyz and .extxyz
+        if xyz and atoms.cell.rank == 0 and not atoms.pbc.any():
+            parprint(
+                f"ase-shard {args.command}: warning: {args.structure} has no Lattice: no cell "
+                "and no periodic boundaries, so it runs as an isolated cluster (for a crystal, "
+                'add Lattice="..." and pbc="T T T" to its comment line)',
+                file=sys.stderr,
+                flush=True,
+            )
+        return atoms, FILE_DEFAULTS, args.structure
     name = args.system or "cu-bulk"
     system = SYSTEMS[name]
     size = system.size if args.size is None else args.size
     return system.build(size, args.seed), system.defaults, f"{name} N={size}"
+
+
+def read_structure(path: str, role: str) -> Atoms:
+    """The last image of ``path`` (``ase.io.read``, identical on every rank).
+
+    Raises
+    ------
+    CLIError
+        Naming ``role`` (what the file is for), the file and what ``ase.io`` said,
+        for any file it cannot read. ``ase.io.read`` reads on rank 0 and hands the
+        outcome, an error included, to every rank.
+    """
+    from ase.io import read
+
+    try:
+        return read(path)
+    except Exception as exc:
+        said = " ".join(str(exc).split())
+        reason = f"{type(exc).__name__}: {said}" if said else f"{type(exc).__name__} (no message)"
+        raise CLIError(f"{role} {path}: ase.io.read cannot read it: {reason}") from None
 
 
 # ----------------------------------------------------------------------------- bench
@@ -432,24 +518,33 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
     )
     bench.add_argument("structure", nargs="?", metavar="STRUCTURE", help="structure file")
     bench.add_argument("--system", choices=SYSTEMS, help="built-in system (default cu-bulk)")
-    bench.add_argument("--size", type=int, help="size N of the built-in system")
+    bench.add_argument("--size", type=POSITIVE_INT, help="size N of the built-in system")
     _add_model_options(bench, bench=True)
-    bench.add_argument("--ml-cutoff", type=float, default=5.0, help="ML models, Å (5)")
-    bench.add_argument("--ml-channels", type=int, default=32, help="ML models' width (32)")
+    bench.add_argument("--ml-cutoff", type=POSITIVE, default=5.0, help="ML models, Å (5)")
     bench.add_argument(
-        "--ml-layers", type=int, help="ML interaction layers (sevennet 3, mace 2, nequip 3)"
+        "--ml-channels", type=POSITIVE_INT, default=32, help="ML models' width (32)"
     )
-    bench.add_argument("--reuse-steps", type=int, default=5, help="timed reuse steps (5)")
-    bench.add_argument("--rebuild-steps", type=int, default=3, help="timed rebuild steps (3)")
+    bench.add_argument(
+        "--ml-layers",
+        type=POSITIVE_INT,
+        help="ML interaction layers (sevennet 3, mace 2, nequip 3)",
+    )
+    bench.add_argument("--reuse-steps", type=POSITIVE_INT, default=5, help="timed reuse steps (5)")
+    bench.add_argument(
+        "--rebuild-steps", type=POSITIVE_INT, default=3, help="timed rebuild steps (3)"
+    )
     _add_calculator_options(bench)
     bench.add_argument(
         "--threads",
-        type=int,
+        type=POSITIVE_INT,
         help="torch threads per rank (default: OMP_NUM_THREADS, else "
         "the calculator's share of the node's cores)",
     )
     bench.add_argument(
-        "--seed", type=int, default=42, help="displacements, weights, --framework momenta (42)"
+        "--seed",
+        type=NON_NEGATIVE_INT,
+        default=42,
+        help="displacements, weights, --framework momenta (42)",
     )
     bench.add_argument(
         "--ase-reference", action="store_true", help="also time ASE's own EMT/LJ/Morse"
@@ -460,7 +555,7 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
         help="on several ranks, skip ShardedCalculator on rank 0 alone",
     )
     bench.add_argument(
-        "--ceiling-seconds", type=float, default=0.5, help="length of the ceiling loop (0.5 s)"
+        "--ceiling-seconds", type=POSITIVE, default=0.5, help="length of the ceiling loop (0.5 s)"
     )
     bench.add_argument(
         "--framework",
@@ -490,8 +585,6 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     """``ase-shard bench``: measure, then rank 0 prints and writes the report."""
-    if args.threads is not None and args.threads < 1:
-        raise CLIError(f"--threads must be >= 1, not {args.threads}")
     if args.peer is not None:
         return _run_peer(args)
     if args.ase_reference and args.framework:
@@ -500,7 +593,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.model is not None:
         spec = resolve_model(args.model, bench=True)
     else:
-        spec = ModelSpec("bench", NO_EDGE, NO_EDGE) if args.framework else None
+        spec = ModelSpec("bench", NO_EDGE, NO_EDGE, NO_EDGE) if args.framework else None
     if spec is not None and spec.source == NO_EDGE and not args.framework:
         raise CLIError(f"--model {NO_EDGE} is for --framework only")
     import json
@@ -531,17 +624,14 @@ def run_bench(args: argparse.Namespace) -> int:
             "compile": args.compile,
         },
     }
-    try:
-        if args.framework:
-            settings = bench.FrameworkSettings(**steps)
-        else:
-            settings = bench.BenchSettings(
-                **steps,
-                serial_reference=not args.no_serial_reference,
-                ceiling_seconds=args.ceiling_seconds,
-            )
-    except ValueError as exc:
-        raise CLIError(str(exc)) from None
+    if args.framework:
+        settings = bench.FrameworkSettings(**steps)
+    else:
+        settings = bench.BenchSettings(
+            **steps,
+            serial_reference=not args.no_serial_reference,
+            ceiling_seconds=args.ceiling_seconds,
+        )
     mode = " --framework" if args.framework else ""
     # the summary's first line repeats the system; this one says that measuring began
     parprint(

@@ -158,7 +158,6 @@ def test_npt_without_cell_exits_2(capsys) -> None:
     "argv",
     [
         ["md", "missing.xyz"],
-        ["md", "--size", "0"],
         ["md", "x.xyz", "--system", "cu-bulk"],
         ["md", "--system", "ar-liquid", "--size", "2", "--model", "emt"],  # from the calculator
     ],
