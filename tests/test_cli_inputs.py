@@ -81,7 +81,7 @@ def error_line(argv: list[str], capsys) -> str:
         ("bench", "--ml-cutoff", "0", "a finite number > 0"),
         ("bench", "--ml-channels", "0", "an integer >= 1"),
         ("bench", "--threads", "0", "an integer >= 1"),
-        ("bench", "--reuse-steps", "0", "an integer >= 1"),
+        ("bench", "--reuse-steps", "-1", "an integer >= 0"),
         ("bench", "--ceiling-seconds", "nan", "a finite number > 0"),
     ],
 )
@@ -91,6 +91,15 @@ def test_bad_number_is_refused_at_parse_time(
     """Exit status 2 and the usage, then one line naming the option and the value."""
     line = error_line([command, option, value], capsys)
     assert line == f"ase-shard {command}: error: argument {option}: must be {bound}, not {value!r}"
+
+
+@pytest.mark.parametrize("option", ["--reuse-steps", "--rebuild-steps"])
+def test_benchmark_needs_steps_of_each_kind(option: str, capsys) -> None:
+    """0 parses (``--peer`` runs the sum of both), the benchmark refuses it by name."""
+    line = error_line(["bench", "--size", "2", option, "0"], capsys)
+    assert line == (
+        f"ase-shard bench: error: {option} must be >= 1 (the benchmark times both kinds), not 0"
+    )
 
 
 def test_number_type_names_the_bound() -> None:

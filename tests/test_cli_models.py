@@ -107,7 +107,8 @@ def test_multi_fidelity_needs_modality(tmp_path: Path, capsys) -> None:
     write(structure, molecule("H2O"))
     argv = ["md", str(structure), "--model", "7net-MF-0", "--steps", "1", "--no-progress"]
     assert main(argv) == 2
-    (line,) = capsys.readouterr().err.splitlines()
+    warning, line = capsys.readouterr().err.splitlines()  # a molecule: no Lattice
+    assert "h2o.xyz has no Lattice" in warning
     assert "--modality" in line and "PBE" in line
     traj = tmp_path / "mf.extxyz"
     assert main([*argv, "--modality", "pbe", "--trajectory", str(traj)]) == 0
