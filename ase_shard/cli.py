@@ -529,9 +529,12 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
         type=POSITIVE_INT,
         help="ML interaction layers (sevennet 3, mace 2, nequip 3)",
     )
-    bench.add_argument("--reuse-steps", type=POSITIVE_INT, default=5, help="timed reuse steps (5)")
+    # >= 1 each for the benchmark (run_bench checks); --peer runs their sum
     bench.add_argument(
-        "--rebuild-steps", type=POSITIVE_INT, default=3, help="timed rebuild steps (3)"
+        "--reuse-steps", type=NON_NEGATIVE_INT, default=5, help="timed reuse steps (5)"
+    )
+    bench.add_argument(
+        "--rebuild-steps", type=NON_NEGATIVE_INT, default=3, help="timed rebuild steps (3)"
     )
     _add_calculator_options(bench)
     bench.add_argument(
@@ -589,6 +592,12 @@ def run_bench(args: argparse.Namespace) -> int:
         return _run_peer(args)
     if args.ase_reference and args.framework:
         raise CLIError("--ase-reference does not apply to --framework")
+    for option, value in (
+        ("--reuse-steps", args.reuse_steps),
+        ("--rebuild-steps", args.rebuild_steps),
+    ):
+        if value < 1:  # parsed as >= 0: --peer runs their sum
+            raise CLIError(f"{option} must be >= 1 (the benchmark times both kinds), not {value}")
     check_system_args(args)
     if args.model is not None:
         spec = resolve_model(args.model, bench=True)
