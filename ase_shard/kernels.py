@@ -28,8 +28,7 @@ keeps three numbers per pair taken; the second, once every atom's
 halo, the ghost ends' densities go to their owners and their ``dE/dsigma1``
 come back.
 
-Compiled on first use and cached on disk by numba (``cache=True``); this
-module is imported only by models that are evaluated through it. Divisions
+Compiled on first use and cached on disk by numba (``cache=True``). Divisions
 follow numpy's rules (``error_model="numpy"``): coincident atoms give
 non-finite numbers, which the block reports, rather than an exception here.
 """
@@ -42,18 +41,23 @@ import numba
 import numpy as np
 
 from ase_shard.graph import EdgeList
-from ase_shard.models.emt import (
-    _E0,
-    _ETA2,
-    _INV12GAMMA1,
-    _KAPPA,
-    _LAMBDA,
-    _N0,
-    _NEGHALFV0OVERGAMMA2,
-    _S0,
-    _V0,
-)
 from ase_shard.summation import add_compensated, compensated_step
+
+# The columns of EMT's parameter table, one row per atomic number
+# (``ase_shard.models.EMT`` fills it): lengths in Å, energies in eV,
+# ``EMT_N0`` in 1/Å³; the last two are derived from the others as ASE's EMT does.
+(
+    EMT_E0,
+    EMT_S0,
+    EMT_V0,
+    EMT_ETA2,
+    EMT_KAPPA,
+    EMT_LAMBDA,
+    EMT_N0,
+    EMT_INV12GAMMA1,
+    EMT_NEGHALFV0OVERGAMMA2,
+) = range(9)
+EMT_COLUMNS = 9
 
 # pair forms of :func:`pair_forces`
 LJ_SHIFTED, LJ_SMOOTH, MORSE = 0, 1, 2
@@ -274,7 +278,7 @@ def _emt_densities(  # pragma: no cover - compiled
     Rows 0 and 1 of ``sums`` take the densities and pair sums, rows 2 and 3
     their rounding errors (:func:`ase_shard.summation.add_compensated`).
     """
-    inverse_n0 = 1.0 / table[:, _N0]  # divisions are slow: one per element, not per edge
+    inverse_n0 = 1.0 / table[:, EMT_N0]  # divisions are slow: one per element, not per edge
     inverse_beta = 1.0 / beta
     # per edge taken: d(density w)/dr / r seen from the centre and from the
     # neighbour, and 0.5 d(pair w)/dr / r (the same seen from either end)
@@ -296,30 +300,30 @@ def _emt_densities(  # pragma: no cover - compiled
         u = math.exp(acut * (r - rc))
         w = 1.0 / (1.0 + u)
         dw = -acut * u * w * w
-        chi = table[zj, _N0] * inverse_n0[zi]
-        density = math.exp(-table[zj, _ETA2] * (r - beta * table[zj, _S0])) * chi
+        chi = table[zj, EMT_N0] * inverse_n0[zi]
+        density = math.exp(-table[zj, EMT_ETA2] * (r - beta * table[zj, EMT_S0])) * chi
         r_beta = r * inverse_beta
-        es = table[zi, _NEGHALFV0OVERGAMMA2] * chi * math.exp(
-            -table[zj, _KAPPA] * (r_beta - table[zj, _S0])
+        es = table[zi, EMT_NEGHALFV0OVERGAMMA2] * chi * math.exp(
+            -table[zj, EMT_KAPPA] * (r_beta - table[zj, EMT_S0])
         )
         if zi == zj:
             eo = es  # chi is 1
         else:
-            eo = table[zj, _NEGHALFV0OVERGAMMA2] / chi * math.exp(
-                -table[zi, _KAPPA] * (r_beta - table[zi, _S0])
+            eo = table[zj, EMT_NEGHALFV0OVERGAMMA2] / chi * math.exp(
+                -table[zi, EMT_KAPPA] * (r_beta - table[zi, EMT_S0])
             )
         pair = es + eo
-        dpair = (table[zj, _KAPPA] * es + table[zi, _KAPPA] * eo) * inverse_beta * w
+        dpair = (table[zj, EMT_KAPPA] * es + table[zi, EMT_KAPPA] * eo) * inverse_beta * w
         add_compensated(sums, 0, i, density * w, 2)
         add_compensated(sums, 1, i, pair * w, 3)
-        terms[taken, 0] = density * (dw - table[zj, _ETA2] * w) / r
+        terms[taken, 0] = density * (dw - table[zj, EMT_ETA2] * w) / r
         terms[taken, 2] = 0.5 * (pair * dw - dpair) / r
         if ends == 2:
             if zi != zj:
-                density = math.exp(-table[zi, _ETA2] * (r - beta * table[zi, _S0])) / chi
+                density = math.exp(-table[zi, EMT_ETA2] * (r - beta * table[zi, EMT_S0])) / chi
             add_compensated(sums, 0, j, density * w, 2)
             add_compensated(sums, 1, j, pair * w, 3)
-            terms[taken, 1] = density * (dw - table[zi, _ETA2] * w) / r
+            terms[taken, 1] = density * (dw - table[zi, EMT_ETA2] * w) / r
         taken += 1
     return terms, closest
 
@@ -333,14 +337,14 @@ def _emt_energies(table, beta, numbers, sums, n_owned, out, dcohesive):  # pragm
     """
     for i in range(n_owned):
         z = numbers[i]
-        energy, error = compensated_step(0.5 * sums[1, i], 0.5 * sums[3, i], -table[z, _E0])
+        energy, error = compensated_step(0.5 * sums[1, i], 0.5 * sums[3, i], -table[z, EMT_E0])
         density = sums[0, i] + sums[2, i]
         if density > 0.0:
-            e0, lmbda, kappa = table[z, _E0], table[z, _LAMBDA], table[z, _KAPPA]
-            scale = beta * table[z, _ETA2]
-            ds = -math.log(density * table[z, _INV12GAMMA1]) / scale
+            e0, lmbda, kappa = table[z, EMT_E0], table[z, EMT_LAMBDA], table[z, EMT_KAPPA]
+            scale = beta * table[z, EMT_ETA2]
+            ds = -math.log(density * table[z, EMT_INV12GAMMA1]) / scale
             lambda_term = math.exp(-lmbda * ds)
-            kappa_term = 6.0 * table[z, _V0] * math.exp(-kappa * ds)
+            kappa_term = 6.0 * table[z, EMT_V0] * math.exp(-kappa * ds)
             energy, error = compensated_step(energy, error, e0 * (1.0 + lmbda * ds) * lambda_term)
             energy, error = compensated_step(energy, error, kappa_term)
             dcohesive_dds = -e0 * lmbda * lmbda * ds * lambda_term - kappa * kappa_term
