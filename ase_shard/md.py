@@ -62,7 +62,10 @@ from ase.md.verlet import VelocityVerlet
 from ase.parallel import parprint, world
 
 from ase_shard.calculator import ShardedCalculator
-from ase_shard.cli import (
+from ase_shard.comm import Comm
+from ase_shard.distributed import GLOBAL_ID, DistributedAtoms, distribute
+from ase_shard.models import EMT, LennardJones, Morse
+from ase_shard.presets import (
     FILE_DEFAULTS,
     CLIError,
     Defaults,
@@ -72,9 +75,6 @@ from ase_shard.cli import (
     resolve_model,
     same_model,
 )
-from ase_shard.comm import Comm
-from ase_shard.distributed import GLOBAL_ID, DistributedAtoms, distribute
-from ase_shard.models import EMT, LennardJones, Morse
 
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "emt": EMT,
