@@ -61,13 +61,10 @@ from ase_shard.partition import (
     spatial_owners,
 )
 from ase_shard.system import (
-    check_slices,
     checksum,
     differing_fields,
     fingerprint,
     slice_bounds,
-    slice_checksums,
-    slice_disagreements,
     validate,
     validate_cell,
     validate_numbers,
@@ -702,9 +699,13 @@ class ShardedCalculator(Calculator):
     ) -> str | None:
         """Validate, vote on a rebuild and check the ranks' copies: one allgather.
 
-        Each rank looks at its own share only: the owned rows it evaluates (or,
-        before a rebuild, one slice of the atoms) and two slices of the
-        same-Atoms check. Every rank then raises the same error, or returns
+        Each rank validates its own share only (the owned rows it evaluates,
+        or, before a rebuild, one slice of the atoms), and under SPMD sends the
+        fingerprint of its whole copy (:func:`ase_shard.system.fingerprint`):
+        a copy that differs from rank 0's anywhere is found at this call,
+        before any rank evaluates it, whatever the distance (checking a part of
+        the copy per call let a diverged copy through until a later call, and
+        its results out). Every rank then raises the same error, or returns
         the same rebuild reason (``None``: reuse).
         """
         comm = self.comm
@@ -732,12 +733,7 @@ class ShardedCalculator(Calculator):
         if distributed:
             share = (request.n_atoms, checksum(request.cell), tuple(request.pbc.tolist()))
         elif spmd:
-            slices = check_slices(comm.size, comm.rank, self._calls)
-            share = (
-                (request.n_atoms, checksum(request.cell), tuple(request.pbc.tolist())),
-                self._inputs_digest,
-                slice_checksums(atoms, slices, comm.size),
-            )
+            share = (fingerprint(atoms), self._inputs_digest)
         views = comm.allgather((error, own_reason, share))
         errors = [view[0] for view in views if view[0] is not None]
         if errors:
@@ -749,12 +745,16 @@ class ShardedCalculator(Calculator):
                     "the ranks' DistributedAtoms differ in their number of atoms, cell or pbc "
                     f"(rank by rank: {[view[2] for view in views]}); change them on every rank"
                 )
-        elif spmd and reason is None:
-            if self._compare_shares([view[2] for view in views], request):
-                # the rows fetched and the reuse vote were of the unsynchronised copies
-                reason = "positions re-synchronised from rank 0"
-        elif reason is not None and not self._driven:
-            self._compare_fingerprints(atoms, request)
+            return reason
+        if spmd and self._compare_copies([view[2] for view in views], request):
+            # the rows fetched and the reuse vote were of the unsynchronised copies
+            reason = reason or "positions re-synchronised from rank 0"
+        if reason is not None and not self._driven:
+            # the copies agree: every rank finds the same elements, and the same error
+            try:
+                validate_numbers(atoms.numbers, getattr(self.model, "atomic_types", None))
+            except ValueError as exc:
+                raise rebuild([describe(exc, 0)]) from None
         return reason
 
     def _displacement_reason(
@@ -792,87 +792,68 @@ class ShardedCalculator(Calculator):
             names = np.repeat(np.array(list(shapes), dtype=object), widths)
             raise ValueError(f"per-atom model inputs {sorted(set(names[~finite]))} are not finite")
 
-    def _compare_shares(self, shares: list, request: _Request) -> bool:
-        """Reuse step: the ranks' small fields and checked slices must agree.
+    def _compare_copies(self, shares: list, request: _Request) -> bool:
+        """Every rank's fingerprint and model inputs against rank 0's.
 
-        Returns whether the copies were re-synchronised (see :meth:`_settle`).
+        Returns whether the copies differed and were re-synchronised (see
+        :meth:`_settle`, which raises for any other difference).
         """
-        differing, fixable = [], True
-        for rank, share in enumerate(shares):
-            fields = [
-                name
-                for name, a, b in zip(
-                    ("number of atoms", "cell", "pbc"), shares[0][0], share[0], strict=True
-                )
-                if a != b
-            ] + (["model inputs"] if share[1] != shares[0][1] else [])
-            if fields:
-                differing.append(f"rank {rank}: {', '.join(fields)}")
-                fixable &= fields == ["cell"]
-        if not differing:
-            slices = slice_disagreements(
-                [share[2] for share in shares], request.n_atoms, self._calls
-            )
-            differing = [text for _, text in slices]
-            fixable = all(field == "positions" for field, _ in slices)
+        reference = shares[0]
+        differing = {
+            rank: differing_fields(reference[0], share[0])
+            + (["model inputs"] if share[1] != reference[1] else [])
+            for rank, share in enumerate(shares)
+            if share != reference
+        }
         if differing:
-            self._settle("; ".join(differing), fixable, request)
+            self._settle(differing, request)
         return bool(differing)
 
-    def _settle(self, detail: str, fixable: bool, request: _Request) -> None:
-        """The ranks' copies differ in ``detail``: re-synchronise them, or raise.
+    def _settle(self, differing: dict[int, list[str]], request: _Request) -> None:
+        """The ranks' copies differ (``differing``: fields by rank): re-synchronise, or raise.
 
         Copies that differ only in positions and cell, by at most
         :data:`SYNC_TOLERANCE` Å from rank 0's (round-off, e.g. an optimiser's
         random start on each rank), take rank 0's values, as GPAW does; any
-        other difference raises the same ``ValueError`` on every rank.
+        other difference raises the same ``ValueError`` on every rank, naming
+        each differing rank's fields, how many atoms differ and the first of
+        them, and by how much positions and cell differ (Å).
         """
-        if fixable:
-            atoms = self._copies[-1]
-            # rare, so pickled: rank 0's whole copy
-            positions, cell = self.comm.bcast(
-                (atoms.positions, atoms.cell.array) if self.comm.is_root else None
-            )
-            deviation = max(
-                np.abs(atoms.positions - positions).max(initial=0.0),
-                np.abs(atoms.cell.array - cell).max(),
-            )
-            worst = max(self.comm.allgather(deviation))
-            if worst <= SYNC_TOLERANCE:
-                for copy in self._copies:
-                    copy.positions[:] = positions
-                    copy.cell.array[:] = cell
-                request.cell = cell.copy()
-                return
-            detail += f"; by up to {worst:.3g} Å"
-        raise _diverged(detail)
-
-    def _compare_fingerprints(self, atoms: Atoms, request: _Request) -> None:
-        """Rebuild: every rank's whole copy against rank 0's, and its elements.
-
-        One more allgather (none on one rank); the elements are checked on
-        every rank, so with agreeing copies every rank finds the same error.
-        """
-        error = None
-        try:
-            validate_numbers(atoms.numbers, getattr(self.model, "atomic_types", None))
-        except ValueError as exc:
-            error = describe(exc, 0)
-        if self.comm.size > 1:
-            views = self.comm.allgather((fingerprint(atoms), self._inputs_digest))
-            reference = views[0]
-            differing = {
-                rank: differing_fields(reference[0], view[0])
-                + (["model inputs"] if view[1] != reference[1] else [])
-                for rank, view in enumerate(views)
-                if view != reference
-            }
-            if differing:
-                detail = "; ".join(f"rank {r}: {', '.join(f)}" for r, f in differing.items())
-                fixable = all(set(f) <= {"positions", "cell"} for f in differing.values())
-                self._settle(detail, fixable, request)
-        if error is not None:
-            raise rebuild([error])
+        fields = set().union(*differing.values())
+        if "number of atoms" in fields:  # nothing to compare atom by atom
+            raise _diverged("; ".join(f"rank {r}: {', '.join(f)}" for r, f in differing.items()))
+        atoms = self._copies[-1]
+        # rare, so pickled: rank 0's whole copy
+        numbers, positions, cell = self.comm.bcast(
+            (atoms.numbers, atoms.positions, atoms.cell.array) if self.comm.is_root else None
+        )
+        # bitwise, as the fingerprints compare (NaN differs from NaN)
+        rows = np.flatnonzero(
+            (atoms.numbers != numbers) | (atoms.positions != positions).any(axis=1)
+        )
+        # NaN-propagating maxima: a non-finite copy is never close
+        moved = np.abs(atoms.positions - positions).max(initial=0.0)
+        deviation = np.max([moved, np.abs(atoms.cell.array - cell).max()])
+        views = self.comm.allgather((len(rows), int(rows[0]) if len(rows) else None, deviation))
+        worst = float(np.max([view[2] for view in views]))
+        if fields <= {"positions", "cell"} and worst <= SYNC_TOLERANCE:
+            for copy in self._copies:
+                copy.positions[:] = positions
+                copy.cell.array[:] = cell
+            request.cell = cell.copy()
+            return
+        details = []
+        for rank, names in differing.items():
+            count, first, _ = views[rank]
+            # "numbers, positions of 2 atom(s) from atom 7, cell"
+            last = max((i for i, n in enumerate(names) if n in _PER_ATOM_STATE), default=None)
+            if last is not None and count:
+                names = [*names]
+                names[last] += f" of {count} atom(s) from atom {first}"
+            details.append(f"rank {rank}: {', '.join(names)}")
+        if fields & {"positions", "cell"}:
+            details.append(f"by up to {worst:.3g} Å")
+        raise _diverged("; ".join(details))
 
     # -- 2. rebuild --------------------------------------------------------------------------
 
