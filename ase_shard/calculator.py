@@ -26,6 +26,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from numbers import Real
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,7 @@ from ase_shard.distributed import GLOBAL_ID, DistributedAtoms, migrate
 from ase_shard.exchange import HaloExchange, PeerFailure
 from ase_shard.graph import (
     ShardModel,
+    check_model,
     model_digest,
     model_dtype,
     receptive_field,
@@ -163,6 +165,60 @@ def checked_device(device: Any) -> torch.device:
             f"device {device!r} is not available here; available: {', '.join(available)}"
         )
     return placed
+
+
+# the precisions a model can run in, by the names the command line uses
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def checked_dtype(dtype: Any, model: torch.nn.Module) -> torch.dtype:
+    """The precision to evaluate ``model`` in: ``dtype``, else the model's own.
+
+    ``dtype`` is ``"float32"``, ``"float64"``, ``torch.float32``,
+    ``torch.float64`` or ``None``; anything else raises ``ValueError`` naming
+    it. Half precision is refused, also when it is the model's own.
+    """
+    resolved = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if dtype is None:
+        resolved = model_dtype(model)
+    if isinstance(resolved, torch.dtype) and resolved in DTYPES.values():
+        return resolved
+    if isinstance(resolved, torch.dtype) and resolved.is_floating_point:
+        whose = "the model's dtype" if dtype is None else "dtype"
+        raise ValueError(
+            f"{whose} is {resolved}: in half precision (float16/bfloat16) edge vectors keep "
+            "3 significant digits and forces are not usable for MD; pass dtype=torch.float32 "
+            "(or 'float32') to run such a model"
+        )
+    raise ValueError(
+        "dtype must be 'float32' or 'float64' (or torch.float32, torch.float64, None for the "
+        f"model's own), not {dtype!r}"
+    )
+
+
+def _length(name: str, value: Any) -> float:
+    """``value`` as a finite distance >= 0 (Å), or ``ValueError`` naming ``name``."""
+    try:
+        length = float(value)
+    except (TypeError, ValueError):
+        length = np.nan
+    if not (np.isfinite(length) and length >= 0):
+        raise ValueError(f"{name} must be a finite distance >= 0 Å, not {value!r}")
+    return length
+
+
+def _rank_grid(grid: Any, size: int) -> tuple[int, int, int]:
+    """``grid`` as three positive integers multiplying to ``size``, or ``ValueError``."""
+    try:
+        cells = tuple(int(p) for p in grid)
+        integral = all(p == cell for p, cell in zip(grid, cells, strict=True))
+    except (TypeError, ValueError):
+        cells, integral = (), False
+    if not integral or len(cells) != 3 or min(cells) < 1 or np.prod(cells) != size:
+        raise ValueError(
+            f"grid must be three positive integers that multiply to {size} ranks, not {grid!r}"
+        )
+    return cells
 
 
 # per-atom results and their columns in the block's rows
@@ -327,7 +383,9 @@ class ShardedCalculator(Calculator):
     model : torch.nn.Module
         A model following the protocol of :class:`ase_shard.graph.ShardModel`
         (``cutoff`` in Å, ``num_layers``, ``atomic_types``, per-atom energies
-        in eV).
+        in eV). Anything else raises ``TypeError`` naming what is missing
+        (:func:`ase_shard.graph.check_model`), here rather than at the first
+        calculation.
     skin : float
         Extra neighbour/halo distance in Å. The decomposition is reused until
         some atom moved more than ``skin / 2`` since it was built (a cell
@@ -335,8 +393,10 @@ class ShardedCalculator(Calculator):
     device : str or torch.device, optional
         Where this rank evaluates; default ``cuda:<node-local rank % GPUs>``
         when CUDA is available, else CPU.
-    dtype : torch.dtype, optional
-        Precision of the model (it is cast); default: the model's own.
+    dtype : {"float64", "float32"} or torch.dtype, optional
+        Precision of the model (it is cast): ``torch.float64`` or
+        ``torch.float32``, or their names; default: the model's own. Half
+        precision is refused.
     comm : mpi4py communicator, optional
         Default ``MPI.COMM_WORLD`` when mpi4py is loaded, else one rank.
     partition : {"spatial", "contiguous"}
@@ -373,6 +433,11 @@ class ShardedCalculator(Calculator):
     Results (eV, eV/Å, eV/Å³) equal the serial evaluation to round-off and are
     bitwise identical on every rank. ``stress``/``stresses`` exist only when the
     cell has rank 3.
+
+    The arguments are checked when the calculator is made, on every rank: a
+    model that does not follow the protocol raises ``TypeError``, any other
+    invalid argument ``ValueError``, the same error on every rank (under
+    mpirun, reported once).
     """
 
     implemented_properties = ["energy", "free_energy", "energies", "forces", "stress", "stresses"]
@@ -395,44 +460,54 @@ class ShardedCalculator(Calculator):
         neighbor_list: str = "auto",
         **kwargs,
     ):
-        if partition not in PARTITIONS:
-            raise ValueError(f"partition must be one of {PARTITIONS}, not {partition!r}")
-        if skin < 0:
-            raise ValueError(f"skin must be >= 0 Å, not {skin}")
-        if not min_distance >= 0:
-            raise ValueError(f"min_distance must be >= 0 Å, not {min_distance}")
-        if neighbor_list not in NEIGHBOR_LISTS:
-            raise ValueError(
-                f"neighbor_list must be one of {NEIGHBOR_LISTS}, not {neighbor_list!r}"
-            )
-        if halo is None:
-            halo = "layer" if supports_layer_halo(model) else "full"
-        if halo not in HALOS:
-            raise ValueError(f"halo must be one of {HALOS}, not {halo!r}")
-        if halo == "layer" and not supports_layer_halo(model) and int(model.num_layers) > 1:
-            raise ValueError(
-                f"{type(model).__name__} does not exchange features between its layers "
-                "(supports_layer_halo): use halo='full'"
-            )
         Calculator.__init__(self, **kwargs)
         self.comm = Comm(comm)
-        if grid is not None:
-            grid = tuple(int(p) for p in grid)
-            if len(grid) != 3 or int(np.prod(grid)) != self.comm.size:
-                raise ValueError(f"grid {grid} does not multiply to {self.comm.size} ranks")
+        # every rank checks its arguments and model, then one allgather tells every
+        # rank all ranks' errors: they raise the same error together (reported once
+        # under mpirun, see Comm.raised_together), never one rank while the others wait
+        error, digest = None, None
         try:
-            self.device, error = place_rank(device, self.comm), None
+            check_model(model)
+            if partition not in PARTITIONS:
+                raise ValueError(f"partition must be one of {PARTITIONS}, not {partition!r}")
+            skin = _length("skin", skin)
+            if not min_distance >= 0:
+                raise ValueError(f"min_distance must be >= 0 Å, not {min_distance}")
+            if timeout is not None and not (isinstance(timeout, Real) and timeout > 0):
+                raise ValueError(
+                    f"timeout must be a positive number of seconds or None, not {timeout!r}"
+                )
+            if neighbor_list not in NEIGHBOR_LISTS:
+                raise ValueError(
+                    f"neighbor_list must be one of {NEIGHBOR_LISTS}, not {neighbor_list!r}"
+                )
+            if halo is None:
+                halo = "layer" if supports_layer_halo(model) else "full"
+            if halo not in HALOS:
+                raise ValueError(f"halo must be one of {HALOS}, not {halo!r}")
+            if halo == "layer" and not supports_layer_halo(model) and model.num_layers > 1:
+                raise ValueError(
+                    f"{type(model).__name__} does not exchange features between its layers "
+                    "(supports_layer_halo): use halo='full'"
+                )
+            if grid is not None:
+                grid = _rank_grid(grid, self.comm.size)
+            dtype = checked_dtype(dtype, model)
+        except (TypeError, ValueError) as exc:
+            error = describe(exc, self.comm.rank)
+        try:
+            self.device = place_rank(device, self.comm)  # collective: every rank comes
         except ValueError as exc:
-            self.device, error = torch.device("cpu"), describe(exc, self.comm.rank)
-        self.dtype = dtype or model_dtype(model)
-        if self.dtype not in (torch.float32, torch.float64):
-            raise ValueError(
-                f"dtype must be torch.float32 or torch.float64, not {self.dtype}: in half "
-                "precision (float16/bfloat16) edge vectors keep 3 significant digits and "
-                "forces are not usable for MD; pass dtype=torch.float32 to run such a model"
-            )
-        self.model = placed(model, self.device, self.dtype)
-        views = self.comm.allgather((error, model_digest(self.model), self.device.type))
+            self.device = torch.device("cpu")
+            error = error or describe(exc, self.comm.rank)
+        if error is None:
+            try:
+                self.dtype = dtype
+                self.model = placed(model, self.device, self.dtype)
+                digest = model_digest(self.model)
+            except Exception as exc:  # e.g. out of memory on this rank's device
+                error = describe(exc, self.comm.rank)
+        views = self.comm.allgather((error, digest, self.device.type))
         # models that sum their own forces on the host may then split pairs between ranks
         self._on_host_everywhere = all(view[2] == "cpu" for view in views)
         errors = [view[0] for view in views if view[0] is not None]

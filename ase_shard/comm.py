@@ -121,6 +121,8 @@ class Comm:
             comm = comm.mpi
         if comm is None and "mpi4py.MPI" in sys.modules:
             comm = sys.modules["mpi4py.MPI"].COMM_WORLD
+        if comm is not None and not callable(getattr(comm, "Get_rank", None)):
+            raise TypeError(f"comm must be an mpi4py communicator or None, not {comm!r}")
         self.mpi = comm
         self.rank = comm.Get_rank() if comm is not None else 0
         self.size = comm.Get_size() if comm is not None else 1
