@@ -199,14 +199,17 @@ def _agreed_layout(atoms: Atoms, comm: Comm) -> list:
     views = comm.allgather((error, layout))
     errors = [view[0] for view in views if view[0] is not None]
     if errors:
-        raise rebuild(errors)
+        raise _together(rebuild(errors), comm)
     union: dict[str, tuple] = {}
     for _, rank_layout in views:
         for name, dtype, shape in rank_layout:
             if union.setdefault(name, (dtype, shape)) != (dtype, shape):
-                raise ValueError(
-                    f"per-atom array {name!r} differs between ranks: {union[name]} and "
-                    f"{(dtype, shape)}"
+                raise _together(
+                    ValueError(
+                        f"per-atom array {name!r} differs between ranks: {union[name]} and "
+                        f"{(dtype, shape)}"
+                    ),
+                    comm,
                 )
     for name, (dtype, shape) in union.items():
         if name not in atoms.arrays:
@@ -275,11 +278,11 @@ def distribute(
             error = describe(exc, comm.rank)
     error, header = comm.bcast((error, header), root=root)
     if error is not None:
-        raise rebuild([error])
+        raise _together(rebuild([error]), comm)
     n_global, layout, cell, pbc, info = header
     counts = np.diff(np.arange(comm.size + 1) * n_global // comm.size)
     span = slice(int(counts[: comm.rank].sum()), int(counts[: comm.rank + 1].sum()))
-    everywhere = all(comm.allgather(atoms is not None and len(atoms) == n_global))
+    everywhere = all(comm.allgather(isinstance(atoms, Atoms) and len(atoms) == n_global))
     if everywhere:
         rows = _pack(_with_ids(atoms).arrays, layout)[span]
     else:
@@ -297,6 +300,13 @@ def rows_width(layout: list) -> int:
     return sum(np.dtype(d).itemsize * int(np.prod(s, dtype=np.int64)) for _, d, s in layout)
 
 
+def _together(error: Exception, comm: Comm) -> Exception:
+    """``error``, marked as raised by every rank of ``comm`` at once (one report, see
+    :meth:`ase_shard.comm.Comm.raised_together`)."""
+    comm.raised_together(error)
+    return error
+
+
 def _with_ids(atoms: Atoms) -> Atoms:
     """``atoms`` with a ``"global_id"`` array (its own, when it has one)."""
     if GLOBAL_ID in atoms.arrays:
@@ -308,8 +318,8 @@ def _with_ids(atoms: Atoms) -> Atoms:
 
 def _header(atoms: Atoms | None) -> tuple:
     """What every rank needs to know of ``atoms`` before its rows arrive."""
-    if atoms is None:
-        raise ValueError("distribute: the root rank must pass the Atoms")
+    if not isinstance(atoms, Atoms):
+        raise TypeError(f"distribute: the root rank must pass an ase.Atoms, not {atoms!r}")
     if isinstance(atoms, DistributedAtoms):
         raise TypeError("distribute: these atoms are distributed already; gather() them first")
     if atoms.constraints:
