@@ -22,7 +22,7 @@ from toy_models import ChargedPairs
 from ase_shard import ShardedCalculator
 from ase_shard.calculator import SYNC_TOLERANCE
 from ase_shard.comm import _EVERY_RANK
-from ase_shard.distributed import distribute
+from ase_shard.distributed import distribute, gather
 from ase_shard.models import EMT
 
 pytestmark = pytest.mark.timeout(60)
@@ -245,7 +245,9 @@ def test_a_model_refused_on_one_rank_is_refused_on_every_rank() -> None:
 # -- the other arguments -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, dtype", [("float64", torch.float64), ("float32", torch.float32)])
+@pytest.mark.parametrize(
+    "name, dtype", [("float64", torch.float64), ("float32", torch.float32)], ids=["64", "32"]
+)
 def test_dtype_by_name(name: str, dtype: torch.dtype) -> None:
     """The command line's spellings work as the torch dtypes do."""
     calc = ShardedCalculator(EMT(), dtype=name)
@@ -293,7 +295,18 @@ def test_a_half_precision_model_needs_a_dtype() -> None:
         ({"grid": 2}, r"grid must be three positive integers .* not 2"),
         ({"device": "tpu:7"}, r"device 'tpu:7' is not a torch device; available here: cpu"),
     ],
-    ids=lambda value: str(value) if not isinstance(value, dict) else next(iter(value)),
+    ids=[
+        "skin negative",
+        "skin nan",
+        "skin string",
+        "timeout",
+        "partition",
+        "halo",
+        "neighbor_list",
+        "grid two",
+        "grid int",
+        "device",
+    ],
 )
 def test_bad_arguments_are_named_on_every_rank(arguments: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message) as error:
@@ -302,6 +315,7 @@ def test_bad_arguments_are_named_on_every_rank(arguments: dict, message: str) ->
 
 
 def test_a_communicator_that_is_not_one_is_refused() -> None:
+    """No communicator to agree through: each rank raises, marked for one report."""
     with pytest.raises(TypeError, match="comm must be an mpi4py communicator or None, not 'wo"):
         ShardedCalculator(EMT(), comm="world")
 
@@ -341,3 +355,15 @@ def test_distributing_distributed_atoms_is_refused() -> None:
     local = distribute(_cu())
     with pytest.raises(TypeError, match="distributed already; gather"):
         distribute(local)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_distribute_takes_the_roots_system_when_copies_differ() -> None:
+    """Ranks that pass their own, different copies get the root's atoms, not a mix."""
+    atoms = _cu()
+    atoms.rattle(0.01, seed=COMM.rank)  # each rank's copy differs
+    atoms.set_momenta(np.full((len(atoms), 3), float(COMM.rank)))
+    whole = gather(distribute(atoms))
+    if COMM.is_root:
+        assert (whole.positions == atoms.positions).all()
+        assert (whole.get_momenta() == 0.0).all()
