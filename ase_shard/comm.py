@@ -156,7 +156,11 @@ class Comm:
         if comm is None and "mpi4py.MPI" in sys.modules:
             comm = sys.modules["mpi4py.MPI"].COMM_WORLD
         if comm is not None and not callable(getattr(comm, "Get_rank", None)):
-            raise TypeError(f"comm must be an mpi4py communicator or None, not {comm!r}")
+            # no communicator to agree on the error: under SPMD every rank passed the
+            # same argument (if not, the exit hook stops waiting and aborts the job)
+            raise raised_on_every_rank(
+                TypeError(f"comm must be an mpi4py communicator or None, not {comm!r}")
+            )
         self.mpi = comm
         self.rank = comm.Get_rank() if comm is not None else 0
         self.size = comm.Get_size() if comm is not None else 1

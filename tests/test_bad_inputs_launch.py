@@ -37,7 +37,7 @@ def _bad_inputs(mode: str) -> Outcome:
     return launch(*mpirun, sys.executable, script, mode, timeout=120)
 
 
-MODES = ("constructor", "model", "distribute", "diverge", "world")
+MODES = ("constructor", "model", "comm", "distribute", "diverge", "world")
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +54,7 @@ MESSAGES = {
     "constructor": "ValueError: partition must be one of ('spatial', 'contiguous'), not "
     "'random' [rank 0; 2 more rank(s) failed]",
     "model": "TypeError: the model must be a torch.nn.Module that follows the model protocol",
+    "comm": "TypeError: comm must be an mpi4py communicator or None, not 'world'",
     "distribute": "ValueError: distribute: constraints are not supported on distributed atoms",
     "diverge": "ValueError: ranks hold different Atoms than rank 0 (rank 2: positions of 1 "
     "atom(s) from atom 40; by up to 0.4 Å)",

@@ -6,6 +6,7 @@ snapshots the process tree then). ``MODE``:
 
 - ``constructor``: ``ShardedCalculator(EMT(), partition="random")``, uncaught.
 - ``model``: ``ShardedCalculator(None)``, uncaught.
+- ``comm``: ``ShardedCalculator(EMT(), comm="world")``, uncaught.
 - ``distribute``: ``distribute()`` of an ``Atoms`` with a constraint, uncaught.
 - ``diverge``: the last rank's copy of one atom differs by 0.4 Å on a reuse step
   that every rank calculates, uncaught.
@@ -45,6 +46,8 @@ def main(mode: str) -> None:
         ShardedCalculator(EMT(), partition="random")
     elif mode == "model":
         ShardedCalculator(None)
+    elif mode == "comm":
+        ShardedCalculator(EMT(), comm="world")
     elif mode == "distribute":
         atoms.set_constraint(FixAtoms([0]))
         distribute(atoms)
