@@ -91,6 +91,7 @@ def test_world_used_before_import_is_named_once(launches: dict[str, Future]) -> 
 
 
 def test_world_warning_only_when_late(launches: dict[str, Future]) -> None:
-    """The scripts that import ase_shard first get no warning."""
+    """Scripts that import ase.parallel, but use its world only after import ase_shard,
+    get no warning."""
     for mode in MODES[:-1]:
         assert WORLD_WARNING not in launches[mode].result().output

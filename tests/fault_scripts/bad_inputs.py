@@ -2,7 +2,9 @@
 ``mpirun -n P python bad_inputs.py MODE``.
 
 Every rank runs the same script; rank 0 prints ``ready`` first (the launcher
-snapshots the process tree then). ``MODE``:
+snapshots the process tree then). ``ase.parallel`` is imported before
+``ase_shard``, as scripts that import ASE first do; only ``world`` mode uses it
+before. ``MODE``:
 
 - ``constructor``: ``ShardedCalculator(EMT(), partition="random")``, uncaught.
 - ``model``: ``ShardedCalculator(None)``, uncaught.
@@ -17,18 +19,18 @@ Every uncaught error is the same on every rank: one report, exit status 1.
 
 import sys
 
-if sys.argv[1] == "world":
-    from ase.parallel import parprint
+# imported but not used: ASE's world is still to be chosen, and import ase_shard in time
+from ase.parallel import parprint
 
+if sys.argv[1] == "world":
     parprint("parprint before import ase_shard")  # fixes ase.parallel.world: too early
 
-import ase_shard  # noqa: E402, F401  (first but in "world" mode: sets up MPI before ASE's world)
+import ase_shard  # noqa: E402, F401  (sets up MPI before ASE's world is used)
 
 # isort: split
 
 from ase.build import bulk  # noqa: E402
 from ase.constraints import FixAtoms  # noqa: E402
-from ase.parallel import parprint  # noqa: E402
 
 from ase_shard import ShardedCalculator  # noqa: E402
 from ase_shard.comm import Comm  # noqa: E402
