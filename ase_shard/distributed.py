@@ -93,14 +93,14 @@ class DistributedAtoms(Atoms):
     def get_masses(self) -> np.ndarray:
         # ASE's MD drivers (MolecularDynamics) ask for the masses when they are made and
         # never for an optimisable: unsafe ones are refused here
-        _refuse_unsafe_driver()
+        _refuse_unsafe_driver(self.comm)
         return super().get_masses()
 
     def __ase_optimizable__(self) -> Any:
         # imported here: ase.optimize pulls in scipy (~0.8 s for every process)
         from ase_shard.dynamics import DistributedOptimizable
 
-        _refuse_unsafe_driver()
+        _refuse_unsafe_driver(self.comm)
         return DistributedOptimizable(self)
 
 
@@ -120,11 +120,14 @@ def distributed_safe(driver: Any) -> bool:
     )
 
 
-def _refuse_unsafe_driver() -> None:
-    """Raise ``TypeError`` if an ASE driver that is not :func:`distributed_safe` is being made."""
+def _refuse_unsafe_driver(comm: Comm) -> None:
+    """Raise ``TypeError`` if an ASE driver that is not :func:`distributed_safe` is being made.
+
+    Every rank builds the same driver (SPMD) and so raises together: reported once.
+    """
     driver = _constructing_driver()
     if driver is not None and not distributed_safe(driver):
-        raise TypeError(
+        error = TypeError(
             f"{type(driver).__name__} cannot run on DistributedAtoms: it keeps per-atom "
             "arrays across force calls (atoms migrate between ranks inside them), sums "
             "over this rank's atoms only, or needs the whole system at once. Use "
@@ -132,6 +135,8 @@ def _refuse_unsafe_driver() -> None:
             "NoseHooverChainNVT, IsotropicMTKNPT, FIRE); or gather() the atoms and run it "
             "on one rank"
         )
+        comm.raised_together(error)
+        raise error
 
 
 def _constructing_driver() -> Any:
