@@ -14,8 +14,10 @@ read a report back. The modules, each importing only those listed after it:
 
 - :mod:`~ase_shard.bench.report`: the plain-text summaries and the PNG;
 - :mod:`~ase_shard.bench.framework`: :func:`run_framework` and its settings;
-- :mod:`~ase_shard.bench.harness`: :func:`run_benchmark`, its settings, subjects
-  and timed steps, and the report fields both measurements share;
+- :mod:`~ase_shard.bench.harness`: :func:`run_benchmark`, its settings, subjects,
+  timed steps and ratios;
+- :mod:`~ase_shard.bench.run`: what both measurements share: the step settings,
+  the kinds of steps, the per-rank phase breakdowns and the report's header;
 - :mod:`~ase_shard.bench.bare`: the bare model, the reference of every timing;
 - :mod:`~ase_shard.bench.machine`: memory, the ceiling and the environment of the
   process and the machine (also used by ``scripts/``).

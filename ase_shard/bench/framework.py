@@ -23,7 +23,8 @@ from ase.calculators.calculator import Calculator, all_changes
 from ase.md.velocitydistribution import thermalize_momenta
 from ase.md.verlet import VelocityVerlet
 
-from ase_shard.bench.harness import (
+from ase_shard.bench.machine import PeakMemory, load_average
+from ase_shard.bench.run import (
     BREAKDOWNS,
     KINDS,
     RunContext,
@@ -33,7 +34,6 @@ from ase_shard.bench.harness import (
     phases_per_rank,
     report_header,
 )
-from ase_shard.bench.machine import PeakMemory, load_average
 from ase_shard.calculator import ShardedCalculator
 from ase_shard.comm import Comm
 from ase_shard.timing import PHASES, PhaseTimer
