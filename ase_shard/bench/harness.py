@@ -337,7 +337,7 @@ def run_benchmark(
         for e in entries
         if e.name.startswith("sharded") and e.subject is not None
     }
-    del calc, entries  # the one-rank calculator's communicator is freed next
+    del calc, entries  # the calculators go before the one-rank communicator they use
     if alone is not None:
         alone.Free()
     if not comm.is_root:
