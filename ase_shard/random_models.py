@@ -193,16 +193,14 @@ def random_nequip(
     return NequIP(network.eval())
 
 
-# the random-weight builders by ``--model`` name; each takes
-# ``(numbers, *, cutoff, channels, num_layers, seed)``
+# the random-weight builders by ``--model`` name (:data:`ase_shard.presets.BENCH_MODELS`);
+# each takes ``(numbers, *, cutoff, channels, num_layers, seed)``; ``no_edge_model``
+# is :data:`ase_shard.presets.NO_EDGE`
 ML_MODELS: dict[str, Callable[..., torch.nn.Module]] = {
     "sevennet": random_sevennet,
     "mace": random_mace,
     "nequip": random_nequip,
 }
-
-# the ``--model`` name of :func:`no_edge_model`
-NO_EDGE = "no-edge"
 
 
 def no_edge_model() -> torch.nn.Module:

@@ -29,24 +29,15 @@ from ase_shard.bench.framework import FrameworkSettings, run_framework
 from ase_shard.bench.harness import BenchSettings, run_benchmark
 from ase_shard.bench.report import format_framework_summary, format_summary, plot_report
 
-# ase_shard.cli (ML_MODELS, NO_EDGE, no_edge_model) and tests/test_sevenn.py
-# (random_sevennet_network) import these from here; they belong to random_models and
-# go from this list once those imports name ase_shard.random_models
-from ase_shard.random_models import (
-    ML_MODELS,
-    NO_EDGE,
-    no_edge_model,
-    random_sevennet_network,
-)
+# tests/test_sevenn.py imports random_sevennet_network from here; it belongs to
+# random_models and goes from this list once that import names it there
+from ase_shard.random_models import random_sevennet_network
 
 __all__ = [
-    "ML_MODELS",
-    "NO_EDGE",
     "BenchSettings",
     "FrameworkSettings",
     "format_framework_summary",
     "format_summary",
-    "no_edge_model",
     "plot_report",
     "random_sevennet_network",
     "run_benchmark",
