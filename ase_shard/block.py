@@ -244,6 +244,7 @@ class LocalBlock:
         node_positions: np.ndarray,
         cell: np.ndarray,
         model,
+        *,
         skin: float,
         device,
         exchange: HaloExchange | None = None,

@@ -15,9 +15,10 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -131,6 +132,8 @@ def _query_cuda_support(extension: str) -> bool:
     return bool(query())
 
 
+T = TypeVar("T")
+
 # Commands rank 0 broadcasts to serving ranks (worker and notebook modes).
 CALCULATE = "calculate"
 CLOSE = "close"
@@ -178,6 +181,56 @@ class Comm:
         world = sys.modules["mpi4py.MPI"].COMM_WORLD if self.mpi is not None else None
         if world is not None and self.size == world.Get_size() > 1:
             raised_on_every_rank(error)
+
+    def agree(self, own: Callable[[], T], failed: Failure | None = None) -> T:
+        """``own()`` on every rank: this rank's value, or the same error on every rank.
+
+        The collective vote: one allgather of each rank's failure (or none).
+        ``own`` runs unless this rank has failed already (``failed``); any
+        ``Exception`` it raises is this rank's failure. If some rank failed,
+        every rank raises the first failing rank's error (:func:`reraise`),
+        marked as raised together (:meth:`raised_together`), and no rank is
+        left waiting in a later collective.
+        """
+        value, failed = self._run(own, failed)
+        self._raise_failures(self.allgather(failed))
+        return value
+
+    def share(self, own: Callable[[], T], failed: Failure | None = None) -> list[T]:
+        """:meth:`agree`, then every rank's value of ``own()`` in rank order (the same
+        allgather, so values must be small and picklable)."""
+        value, failed = self._run(own, failed)
+        views = self.allgather((failed, value))
+        self._raise_failures([view[0] for view in views])
+        return [view[1] for view in views]
+
+    def decide(self, own: Callable[[], T], root: int = 0) -> T:
+        """``own()`` on ``root`` alone; its value on every rank, or its error on every rank.
+
+        One broadcast (of a small picklable value).
+        """
+        outcome = self._run(own, None) if self.rank == root else None
+        value, failed = self.bcast(outcome, root=root)
+        self._raise_failures([failed])
+        return value
+
+    def _run(
+        self, own: Callable[[], T], failed: Failure | None
+    ) -> tuple[T | None, Failure | None]:
+        """``(own(), None)``, or ``(None, failure)`` when this rank failed (or had)."""
+        if failed is not None:
+            return None, failed
+        try:
+            return own(), None
+        except Exception as exc:  # e.g. out of memory on one rank: no rank may wait alone
+            return None, Failure.of(exc, self.rank)
+
+    def _raise_failures(self, failures: Sequence[Failure | None]) -> None:
+        failed = [failure for failure in failures if failure is not None]
+        if failed:
+            error = reraise(failed)
+            self.raised_together(error)
+            raise error
 
     @contextmanager
     def _call(self) -> Iterator[None]:
@@ -470,10 +523,28 @@ def raised_on_every_rank(error: BaseException) -> BaseException:
     return error
 
 
-def describe(error: BaseException, rank: int) -> tuple:
-    """Picklable summary of an exception raised on ``rank``."""
-    kind = type(error)
-    return (kind.__module__, kind.__qualname__, str(error), rank)
+@dataclass(frozen=True)
+class Failure:
+    """An exception raised on one rank, in a form that travels to the others (pickled).
+
+    Attributes
+    ----------
+    module, qualname : str
+        Where the exception's class is defined, to raise the same type elsewhere.
+    message : str
+    rank : int
+        The rank that raised it.
+    """
+
+    module: str
+    qualname: str
+    message: str
+    rank: int
+
+    @classmethod
+    def of(cls, error: BaseException, rank: int) -> Failure:
+        kind = type(error)
+        return cls(kind.__module__, kind.__qualname__, str(error), rank)
 
 
 def _exception_class(module: str, qualname: str) -> type:
@@ -486,22 +557,22 @@ def _exception_class(module: str, qualname: str) -> type:
     return CollectiveError
 
 
-def rebuild(summaries: Sequence[tuple]) -> BaseException:
-    """One exception for every rank from the summaries of the failed ranks.
+def reraise(failures: Sequence[Failure]) -> BaseException:
+    """One exception for every rank from the failures of the ranks that failed.
 
     The first failing rank's exception type is kept when it can be re-created
     from a message; the message names the rank (and how many others failed).
     """
-    module, qualname, message, rank = summaries[0]
-    others = f"; {len(summaries) - 1} more rank(s) failed" if len(summaries) > 1 else ""
-    text = f"{message} [rank {rank}{others}]"
-    kind = _exception_class(module, qualname)
+    first = failures[0]
+    others = f"; {len(failures) - 1} more rank(s) failed" if len(failures) > 1 else ""
+    text = f"{first.message} [rank {first.rank}{others}]"
+    kind = _exception_class(first.module, first.qualname)
     try:
         error = kind(text)
     except Exception:
         error = None
     if not isinstance(error, BaseException):
-        error = CollectiveError(f"{qualname}: {text}")
+        error = CollectiveError(f"{first.qualname}: {text}")
     return error
 
 

@@ -22,7 +22,7 @@ import numpy as np
 from ase import Atoms
 from ase.stress import voigt_6_to_full_3x3_stress
 
-from ase_shard.comm import Comm, describe, rebuild
+from ase_shard.comm import Comm
 from ase_shard.system import checksum
 
 # per-atom array holding each atom's index in the original Atoms
@@ -197,26 +197,16 @@ def _agreed_layout(atoms: Atoms, comm: Comm) -> list:
     A rank without an array (e.g. no momenta yet) migrates zeros for it, as
     ASE's getters would return.
     """
-    error, layout = None, None
-    try:
-        layout = _layout(atoms.arrays)
-    except ValueError as exc:
-        error = describe(exc, comm.rank)
-    views = comm.allgather((error, layout))
-    errors = [view[0] for view in views if view[0] is not None]
-    if errors:
-        raise _together(rebuild(errors), comm)
     union: dict[str, tuple] = {}
-    for _, rank_layout in views:
+    for rank_layout in comm.share(lambda: _layout(atoms.arrays)):
         for name, dtype, shape in rank_layout:
             if union.setdefault(name, (dtype, shape)) != (dtype, shape):
-                raise _together(
-                    ValueError(
-                        f"per-atom array {name!r} differs between ranks: {union[name]} and "
-                        f"{(dtype, shape)}"
-                    ),
-                    comm,
+                error = ValueError(
+                    f"per-atom array {name!r} differs between ranks: {union[name]} and "
+                    f"{(dtype, shape)}"
                 )
+                comm.raised_together(error)  # every rank compares the same layouts
+                raise error
     for name, (dtype, shape) in union.items():
         if name not in atoms.arrays:
             atoms.arrays[name] = np.zeros((len(atoms), *shape), dtype=dtype)
@@ -277,16 +267,7 @@ def distribute(
         migration).
     """
     comm = Comm(comm)
-    error, header = None, None
-    if comm.rank == root:
-        try:
-            header = _header(atoms)
-        except (TypeError, ValueError) as exc:
-            error = describe(exc, comm.rank)
-    error, header = comm.bcast((error, header), root=root)
-    if error is not None:
-        raise _together(rebuild([error]), comm)
-    n_global, layout, cell, pbc, info = header
+    n_global, layout, cell, pbc, info = comm.decide(lambda: _header(atoms), root=root)
     counts = np.diff(np.arange(comm.size + 1) * n_global // comm.size)
     span = slice(int(counts[: comm.rank].sum()), int(counts[: comm.rank + 1].sum()))
     packed = _packed_copy(atoms, n_global, layout)
@@ -322,13 +303,6 @@ def _packed_copy(atoms: Any, n_global: int, layout: list) -> np.ndarray | None:
 def rows_width(layout: list) -> int:
     """Bytes per atom of :func:`_pack`'s rows."""
     return sum(np.dtype(d).itemsize * int(np.prod(s, dtype=np.int64)) for _, d, s in layout)
-
-
-def _together(error: Exception, comm: Comm) -> Exception:
-    """``error``, marked as raised by every rank of ``comm`` at once (one report, see
-    :meth:`ase_shard.comm.Comm.raised_together`)."""
-    comm.raised_together(error)
-    return error
 
 
 def _with_ids(atoms: Atoms) -> Atoms:

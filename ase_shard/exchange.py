@@ -1,4 +1,18 @@
-"""Halo exchange between ranks: node features forward, ghost contributions back.
+"""Communication between ranks within a step: LAMMPS's four verbs.
+
+:class:`Halo` is one rank's communication, kept by the calculator for its
+life; a step calls its verbs in LAMMPS's order (``Verlet::run``)::
+
+    exchange  atoms move to their new owners, with all their arrays (rebuilds,
+              distributed atoms only)
+    borders   record the plan: which owned nodes each rank sends, which ghost
+              nodes it receives (rebuilds)
+    forward   owners' rows to their ghost copies (every step)
+    reverse   ghost copies' sums to their owners (every step)
+
+The plan ``borders`` records is a :class:`HaloExchange`, replayed until the
+next rebuild, also by the model between its layers (per-layer halo, as torch
+custom ops) and by kernels between their passes.
 
 Forward copies every owned node's features into its ghost copies on other
 ranks; backward sums the gradients of those ghost copies back into the owner.
@@ -7,7 +21,7 @@ CPU tensors in place, device tensors through host buffers that are allocated
 once and reused (:class:`StagingBuffers`, page-locked on CUDA), or handed to
 MPI directly where it is CUDA-aware. The same
 plan sums the ghost nodes' results (forces, virials) into their owners
-(:meth:`HaloExchange.sum_into_owned_columns`), and kernels that evaluate a pair
+(:meth:`HaloExchange.reverse_columns`), and kernels that evaluate a pair
 between two ranks once exchange per-node sums through it between their passes.
 
 Every rank must run the same exchanges, forward and backward, or the
@@ -31,6 +45,77 @@ import numpy as np
 import torch
 
 from ase_shard.comm import Comm, cuda_aware_mpi
+from ase_shard.distributed import DistributedAtoms, migrate
+from ase_shard.halo import RankRows
+
+
+class Halo:
+    """One rank's communication of a step: LAMMPS's four verbs over a recorded plan.
+
+    Parameters
+    ----------
+    comm : Comm
+    device : torch.device
+        Where the model's features live (the plan's index tensors go there).
+
+    Attributes
+    ----------
+    plan : HaloExchange or None
+        The plan of the last :meth:`borders`, replayed by :meth:`forward` and
+        :meth:`reverse` until the next one; ``None`` before the first.
+    """
+
+    def __init__(self, comm: Comm, device: torch.device):
+        self.comm = comm
+        self.device = torch.device(device)
+        self.plan: HaloExchange | None = None
+        # kept across rebuilds: a compiled model specialises on its exchange's handle
+        self._handle: int | None = None
+
+    def exchange(self, atoms: DistributedAtoms, owners: np.ndarray) -> None:
+        """Send each local atom, with every per-atom array, to rank ``owners[i]``.
+
+        Afterwards ``atoms`` holds the atoms this rank owns (collective; see
+        :func:`ase_shard.distributed.migrate`).
+        """
+        migrate(atoms, owners)
+
+    def borders(self, rows: RankRows) -> HaloExchange:
+        """Record the exchange plan of this rank's ``rows`` (collective).
+
+        Each rank knows the ghosts it needs (``rows.requests``, by owner); an
+        all-to-all tells each owner which of its nodes to send where, unless
+        ``rows`` already says (``send_index``, in worker mode from rank 0).
+        """
+        if rows.send_index is None:
+            rows.send_counts = self.comm.alltoall_counts(rows.recv_counts)
+            rows.send_index = self.comm.alltoallv_rows(
+                rows.requests, rows.recv_counts, rows.send_counts
+            )
+        self.plan = HaloExchange(
+            self.comm,
+            rows.n_owned,
+            rows.send_index,
+            rows.send_counts,
+            rows.recv_counts,
+            self.device,
+            self._handle,
+        )
+        self._handle = self.plan.handle
+        return self.plan
+
+    def forward(self, owned: np.ndarray) -> np.ndarray:
+        """The owned nodes' ``(n_owned, k)`` rows followed by the ghost nodes' (collective)."""
+        return np.concatenate([owned, self.plan.forward_rows(owned)])
+
+    def reverse(self, columns: np.ndarray) -> np.ndarray:
+        """The owned nodes' ``(k, n_owned)`` columns with their ghost copies' added
+        (collective; :meth:`HaloExchange.reverse_columns`)."""
+        return self.plan.reverse_columns(columns)
+
+    def forget(self) -> None:
+        """Drop the plan (after a failed step, every rank starts afresh)."""
+        self.plan = None
 
 
 class PeerFailure(RuntimeError):
@@ -218,7 +303,23 @@ class HaloExchange:
         if self.comm.any(False):
             raise PeerFailure("another rank failed during the halo exchange")
 
-    def sum_into_owned_columns(self, columns: np.ndarray) -> np.ndarray:
+    def forward_rows(self, owned: np.ndarray) -> np.ndarray:
+        """The ghost nodes' rows, from their owners' ``owned`` rows (host, no autograd).
+
+        Parameters
+        ----------
+        owned : (n_owned, ...) array
+            This rank's owned nodes' rows, any dtype.
+
+        Returns
+        -------
+        (n_ghosts, ...) array: every ghost node's row, as its owner holds it, in
+        ghost-node order.
+        """
+        sent = np.take(owned, self.send_rows.numpy(), axis=0)
+        return self.comm.alltoallv_rows(sent, self.send_counts, self.recv_counts)
+
+    def reverse_columns(self, columns: np.ndarray) -> np.ndarray:
         """Owned nodes' values plus what the other ranks hold for them (host, no autograd).
 
         Parameters
@@ -242,13 +343,13 @@ class HaloExchange:
         return owned
 
     def sum_ghost_columns(self, columns: np.ndarray) -> None:
-        """:meth:`sum_into_owned_columns` within an evaluation, after a status vote.
+        """:meth:`reverse_columns` within an evaluation, after a status vote.
 
         For kernels that exchange between their passes
         (:class:`ase_shard.graph.GhostColumns`).
         """
         self.vote()
-        self.sum_into_owned_columns(columns)
+        self.reverse_columns(columns)
 
     def copy_owner_columns(self, columns: np.ndarray) -> None:
         """Ghost nodes' columns set to their owners' (host, no autograd), after a status vote.
@@ -256,13 +357,12 @@ class HaloExchange:
         Parameters
         ----------
         columns : (k, n_owned + n_ghosts) float64 array
-            As in :meth:`sum_into_owned_columns`; its ghost columns are overwritten.
+            As in :meth:`reverse_columns`; its ghost columns are overwritten.
         """
         self.vote()
         if self.comm.size == 1:
             return  # no ghosts
-        sent = columns[:, self.send_rows.numpy()].T
-        received = self.comm.alltoallv_rows(sent, self.send_counts, self.recv_counts)
+        received = self.forward_rows(columns[:, : self.n_owned].T)
         columns[:, self.n_owned : self.n_owned + self.n_ghosts] = received.T
 
     def _move(self, rows: torch.Tensor, send_counts, recv_counts) -> torch.Tensor:

@@ -10,6 +10,7 @@ along the unit vectors of non-periodic axes.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -216,6 +217,46 @@ def balanced_bin_cuts(histograms: np.ndarray, parts: int) -> np.ndarray:
         closer = np.abs(counts[after - 1] - wanted) <= np.abs(counts[after] - wanted)
         cuts[group] = after - closer
     return cuts
+
+
+def histogram_owners(
+    s: np.ndarray,
+    lo: np.ndarray,
+    hi: np.ndarray,
+    grid: tuple[int, int, int],
+    sum_over_ranks: Callable[[np.ndarray], np.ndarray],
+) -> np.ndarray:
+    """Owner rank of each of this rank's atoms when every rank holds only some atoms.
+
+    The spatial rule of distributed atoms: a ``px*py*pz`` grid of boxes in
+    frame coordinates, cut axis by axis at the histogram bins that balance
+    the atoms of all ranks (:func:`balanced_bin_cuts`). Every rank computes
+    the same cuts from the same summed histograms, so an atom's owner does
+    not depend on which rank holds it.
+
+    Parameters
+    ----------
+    s : (n, 3) array
+        Frame coordinates of this rank's atoms.
+    lo, hi : (3,) arrays
+        The frame box of every rank's atoms.
+    grid : (int, int, int)
+    sum_over_ranks : callable
+        Element-wise sum of an int64 array over the ranks (one collective per
+        cut axis; this module has no MPI of its own).
+    """
+    group = np.zeros(len(s), dtype=np.int64)
+    n_groups = 1
+    for axis, parts in enumerate(grid):
+        if parts == 1:
+            continue
+        bins = bins_of(s[:, axis], lo[axis], hi[axis])
+        histograms = np.bincount(group * CUT_BINS + bins, minlength=n_groups * CUT_BINS)
+        histograms = sum_over_ranks(histograms).reshape(n_groups, CUT_BINS)
+        cuts = balanced_bin_cuts(histograms, parts)
+        group = group * parts + (bins[:, None] >= cuts[group]).sum(axis=1)
+        n_groups *= parts
+    return group
 
 
 def contiguous_owners(n_atoms: int, n_ranks: int) -> np.ndarray:

@@ -18,13 +18,14 @@ import shutil
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ase_shard.calculator import ShardedCalculator
-from ase_shard.comm import ALLOW_RUN_AS_ROOT, CALCULATE, describe, rebuild
+from ase_shard.comm import ALLOW_RUN_AS_ROOT, Failure, reraise
 
 
 def serve(model: torch.nn.Module, **kwargs: Any) -> ShardedCalculator | None:
@@ -47,6 +48,7 @@ def serve(model: torch.nn.Module, **kwargs: Any) -> ShardedCalculator | None:
     """
     calc = ShardedCalculator(model, **kwargs)
     _isolate_ase_world()
+    calc.drive_workers()
     return _drive_or_serve(calc)
 
 
@@ -100,13 +102,12 @@ def spawn(model: torch.nn.Module, workers: int = 2, **kwargs: Any) -> ShardedCal
                 "the spawned workers could not load the model; its class must be "
                 "importable by a fresh Python process (defined in a module, not in "
                 "the notebook or __main__)"
-            ) from rebuild(failed)
+            ) from reraise(failed)
         # this process drives and computes nothing: it takes no GPU, nor a model copy on one
-        calc = _spawned_calculator(model, comm, {**kwargs, "device": "cpu"})
+        calc = _spawned_calculator(model, comm, {**kwargs, "device": "cpu"}, on_close=release)
     except BaseException:
         release()  # the workers leave too: they disconnect after a failed start
         raise
-    calc._on_close.append(release)
     _spawned.add(calc)
     _stop_before_kernel_shutdown()
     return _drive_or_serve(calc)
@@ -207,28 +208,23 @@ def _launchers() -> list[tuple[int, list[int]]]:
     return found
 
 
-def _spawned_calculator(model, comm, kwargs: dict) -> ShardedCalculator:
+def _spawned_calculator(
+    model, comm, kwargs: dict, on_close: Callable[[], None] | None = None
+) -> ShardedCalculator:
+    """The calculator of a spawned job (every rank): the parent drives and owns nothing;
+    ``grid`` (if given) is the workers'."""
     grid = kwargs.pop("grid", None)
     calc = ShardedCalculator(model, comm=comm, **kwargs)
-    if grid is not None:
-        grid = [int(p) for p in grid]
-        if len(grid) != 3 or grid[0] * grid[1] * grid[2] != comm.Get_size() - 1:
-            raise ValueError(f"grid {grid} does not multiply to {comm.Get_size() - 1} workers")
-        calc.parameters["grid"] = grid
-    calc._idle_root = True
+    calc.drive_workers(root_computes=False, grid=grid, on_close=on_close)
     return calc
 
 
 def _drive_or_serve(calc: ShardedCalculator) -> ShardedCalculator | None:
-    calc._driven = True
+    """Rank 0 gets the driving calculator; the others serve until it is closed."""
     if calc.comm.is_root:
         atexit.register(calc.close)
         return calc
-    while (message := calc.comm.bcast(None))[0] == CALCULATE:
-        try:
-            calc._calculate(None, message[1])
-        except Exception:
-            pass  # rank 0 raises the same error; keep serving
+    calc.serve()
     return None
 
 
@@ -270,7 +266,7 @@ def worker_main() -> None:
         # a model sent from a GPU loads here too; the calculator places it
         model = torch.load(io.BytesIO(payload), weights_only=False, map_location="cpu")
     except Exception as exc:
-        error = describe(exc, comm.Get_rank())
+        error = Failure.of(exc, comm.Get_rank())
     if not any(comm.allgather(error)):
         try:
             _drive_or_serve(_spawned_calculator(model, comm, kwargs))

@@ -193,7 +193,7 @@ def case_soak(table: Table, skin: float) -> None:
     def observe() -> None:
         if COMM.is_root and calc.rebuilds != track["builds"]:
             track["builds"] = calc.rebuilds
-            now = calc.decomposition["owners"]
+            now = calc.decomposition.owners
             if track["owners"] is not None:
                 track["migrations"] += int((now != track["owners"]).sum())
             track["owners"] = now

@@ -108,7 +108,7 @@ def run_nve_soak(
             track["all_owned"] &= bool((energies != 0.0).all())
         if calc.rebuilds != owners["builds"] and (distributed or COMM.is_root):
             owners["builds"] = calc.rebuilds
-            now = atoms.arrays["ids"].copy() if distributed else calc.decomposition["owners"]
+            now = atoms.arrays["ids"].copy() if distributed else calc.decomposition.owners
             if owners["last"] is not None and distributed:
                 arrived = np.setdiff1d(now, owners["last"]).size
                 owners["changes"] += sum(COMM.allgather(arrived))

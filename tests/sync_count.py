@@ -304,7 +304,14 @@ def rank_blocks(model, atoms, n_ranks: int, skin: float = 0.5, **options) -> lis
         ids = rows.ids[: rows.n_nodes]
         blocks.append(
             LocalBlock(
-                rows, atoms.numbers[ids], atoms.positions[ids], cell, model, skin, "cpu", **options
+                rows,
+                atoms.numbers[ids],
+                atoms.positions[ids],
+                cell,
+                model,
+                skin=skin,
+                device="cpu",
+                **options,
             )
         )
     return blocks

@@ -20,9 +20,9 @@ from systems import CASES
 from toy_models import ChargedPairs
 
 from ase_shard import ShardedCalculator
-from ase_shard.calculator import SYNC_TOLERANCE
 from ase_shard.comm import _EVERY_RANK
 from ase_shard.distributed import distribute, gather
+from ase_shard.layouts.replicated import SYNC_TOLERANCE
 from ase_shard.models import EMT
 
 pytestmark = pytest.mark.timeout(60)

@@ -188,9 +188,9 @@ def test_one_layer_models_see_each_foreign_atom_once() -> None:
         errors = relative_errors(results(atoms), evaluate_periodic_graph(model, atoms))
         assert all(err <= RTOL for err in errors.values()), (layers, errors)
         # the ghost rows start with the ghost nodes, then the images folded onto nodes
-        ((ids, _),) = calc.decomposition["ghosts"].values()
+        (ghosts,) = calc.decomposition.ghosts.values()
         _, owned, nodes = calc.layout_counts[COMM.rank]
-        ids = ids[: nodes - owned]
+        ids = ghosts.ids[: nodes - owned]
         repeats = COMM.allgather(len(ids) - len(np.unique(ids)))
         if layers == 1:
             assert repeats == [0] * COMM.size

@@ -85,7 +85,7 @@ def test_hot_liquid_migrates_and_stays_exact() -> None:
     calc = ShardedCalculator(LennardJones(**ARGON), skin=skin)
     atoms.calc = calc
     atoms.get_forces()  # the first decomposition, whose owners are compared at the end
-    first_owners = calc.decomposition["owners"] if COMM.is_root else None
+    first_owners = calc.decomposition.owners if COMM.is_root else None
     dyn = Langevin(
         atoms,
         timestep=5 * units.fs,
@@ -110,7 +110,7 @@ def test_hot_liquid_migrates_and_stays_exact() -> None:
     assert calc.rebuilds > 1
     # and atoms changed owner rank (by moving or by the rebalanced split)
     changed = COMM.bcast(
-        int((calc.decomposition["owners"] != first_owners).sum()) if COMM.is_root else None
+        int((calc.decomposition.owners != first_owners).sum()) if COMM.is_root else None
     )
     assert changed > 0 or COMM.size == 1
 

@@ -40,9 +40,9 @@ from sharded import (
 )
 
 from ase_shard import ShardedCalculator
-from ase_shard.calculator import SYNC_TOLERANCE, _close
+from ase_shard.layouts.replicated import SYNC_TOLERANCE
 from ase_shard.models import EMT
-from ase_shard.system import slice_bounds
+from ase_shard.system import close, slice_bounds
 
 pytestmark = pytest.mark.timeout(120)
 LAST = COMM.size - 1
@@ -144,8 +144,8 @@ def test_exact_first_comparison_agrees_with_allclose_across_chunks() -> None:
         b = a.copy()
         if index is not None:
             b[index] = b[index] + step
-        assert _close(a, b, tol) == np.allclose(a, b, rtol=0, atol=tol), name
-    assert not _close(a, a[:-1], tol)
+        assert close(a, b, tol) == np.allclose(a, b, rtol=0, atol=tol), name
+    assert not close(a, a[:-1], tol)
 
 
 # -- round-off between the ranks' copies --------------------------------------------------

@@ -57,7 +57,7 @@ def test_bytes_received_per_reuse_step() -> None:
     calc = ShardedCalculator(EMT())
     atoms.calc = calc
     atoms.get_forces()
-    rows = calc._state.rows
+    rows = calc.layout.state.rows
     others = COMM.size - 1
     for ask in atoms.get_forces, atoms.get_potential_energy:
         atoms.positions += SMALL_MOVE

@@ -49,7 +49,7 @@ atoms.calc = calc
 reference = atoms.copy()
 reference.calc = AseEMT()
 error = np.abs(atoms.get_forces() - reference.get_forces()).max()
-owners = calc.decomposition["owners"]
+owners = calc.decomposition.owners
 print(f"ranks={{calc.comm.size}} error={{error:.1e}} owners={{sorted(set(owners.tolist()))}}")
 pids = [pid for launcher, _ in _launchers() for pid in [launcher, *_children(launcher)]]
 print("PIDS", json.dumps(pids))

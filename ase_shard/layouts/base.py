@@ -1,0 +1,337 @@
+"""What every layout shares: the request, the decomposition and the interface.
+
+A *layout* says where the atoms live and so how a rank's rows and results
+travel. Three exist, one module each, with one interface (:class:`Layout`):
+
+- :class:`~ase_shard.layouts.replicated.ReplicatedLayout` (SPMD): every rank holds
+  the same ``Atoms``; each plans and reads its own share of it;
+- :class:`~ase_shard.layouts.root.RootLayout` (worker mode): rank 0 alone holds the
+  ``Atoms``; it plans for every rank and sends each its rows;
+- :class:`~ase_shard.layouts.distributed.DistributedLayout`: each rank holds only
+  the atoms it owns (:class:`~ase_shard.distributed.DistributedAtoms`), which
+  migrate to their owners at rebuilds.
+
+The calculator's step calls a layout's verbs in this order: :meth:`Layout.node_rows`
+(reuse steps), :meth:`Layout.validate`, :meth:`Layout.share` and
+:meth:`Layout.settle` (inside the step's one vote), :meth:`Layout.build` at
+rebuilds, :meth:`Layout.with_ghosts`, then :meth:`Layout.finish`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+from ase import Atoms
+
+from ase_shard.comm import Comm, Failure
+from ase_shard.exchange import Halo
+from ase_shard.halo import RankRows
+from ase_shard.inputs import ModelInputs, pack, take_rows
+from ase_shard.partition import (
+    FrameCoordinates,
+    choose_grid,
+    contiguous_owners,
+    frame_coordinates,
+    spatial_owners,
+)
+from ase_shard.settings import Settings
+from ase_shard.summation import compensated_row_sums, exact_total
+from ase_shard.timing import PhaseTimer
+
+# per-atom results and their rows in the block's result columns
+PER_ATOM = (("energies", [0]), ("forces", [1, 2, 3]), ("stresses", [4, 5, 6, 7, 8, 9]))
+# what every calculation returns, asked for or not, as ASE's EMT, LennardJones and
+# MorsePotential do (ASE's tools read calc.results after an energy call); the per-atom
+# stresses travel only when asked for
+ALWAYS = ("energies", "forces")
+# the block's rows summed into the totals: energy, virial (Voigt)
+TOTALS = [0, 4, 5, 6, 7, 8, 9]
+
+
+@dataclass
+class Request:
+    """What one calculation needs, from the rank(s) holding the ``Atoms``.
+
+    In worker mode rank 0 broadcasts it; otherwise every rank makes its own.
+
+    Attributes
+    ----------
+    n_atoms : int
+        Atoms of the whole system.
+    cell : (3, 3) array
+        Å.
+    pbc : (3,) bool array
+    changed : bool
+        Numbers or pbc changed since the last calculation (ASE's check).
+    properties : tuple of str
+        What ASE asked for.
+    has_stress : bool
+        The cell has rank 3.
+    input_shapes : dict of str to list of int
+        Per-atom shape of each per-atom model input.
+    system : dict of str to list
+        The per-system model inputs.
+    failure : Failure or None
+        Why the inputs could not be read on the rank that made the request.
+    """
+
+    n_atoms: int
+    cell: np.ndarray
+    pbc: np.ndarray
+    changed: bool
+    properties: tuple[str, ...]
+    has_stress: bool
+    input_shapes: dict[str, list[int]] = field(default_factory=dict)
+    system: dict[str, list] = field(default_factory=dict)
+    failure: Failure | None = None
+
+    @property
+    def row_width(self) -> int:
+        """Columns of a node row: the position (Å), then the packed per-atom inputs."""
+        return 3 + sum(int(np.prod(s, dtype=np.int64)) for s in self.input_shapes.values())
+
+
+@dataclass
+class Decomposition:
+    """This rank's share of the decomposition, kept between rebuilds.
+
+    Attributes
+    ----------
+    n_atoms : int
+        Atoms of the whole system at the build.
+    cell : (3, 3) array
+        The cell at the build (Å).
+    rows : RankRows
+        This rank's rows (owned, ghost nodes, folded images).
+    numbers : (n_nodes,) int array
+        The nodes' atomic numbers.
+    owned_positions : (n_owned, 3) array or None
+        Owned atoms at the build (Å), for the rebuild test; set once the node
+        rows are read.
+    counts : (P, 4) int array or None
+        Rows, owned atoms, nodes and sent rows of every rank; set once every
+        rank has built its block.
+    """
+
+    n_atoms: int
+    cell: np.ndarray
+    rows: RankRows
+    numbers: np.ndarray
+    owned_positions: np.ndarray | None = None
+    counts: np.ndarray | None = None
+
+    @cached_property
+    def node_ids(self) -> np.ndarray | slice:
+        """Atoms of this rank's nodes; a slice when they are consecutive (one rank)."""
+        ids = self.rows.ids[: self.rows.n_nodes]
+        if len(ids) and ids[-1] - ids[0] == len(ids) - 1 and (np.diff(ids) == 1).all():
+            return slice(int(ids[0]), int(ids[-1]) + 1)
+        return ids
+
+
+@dataclass(frozen=True)
+class Ghosts:
+    """The ghost rows of one rank: atom ``ids`` at ``positions[ids] + image_shift @ cell``."""
+
+    ids: np.ndarray
+    image_shift: np.ndarray
+
+
+@dataclass(frozen=True)
+class DecompositionView:
+    """The current decomposition as a user inspects it (``calc.decomposition``).
+
+    Attributes
+    ----------
+    owners : (N,) int array
+        The owner rank of every atom.
+    ghosts : dict of int to Ghosts
+        The ghost rows of the ranks this rank knows: its own under SPMD, every
+        rank's on rank 0 in worker mode.
+    """
+
+    owners: np.ndarray
+    ghosts: dict[int, Ghosts]
+
+
+class Layout(ABC):
+    """Where the atoms live, and how a rank's rows and results travel.
+
+    Parameters
+    ----------
+    comm : Comm
+    halo : Halo
+        The calculator's communication verbs.
+    settings : Settings
+    inputs : ModelInputs
+        The per-atom and per-system inputs the model declares.
+    timer : PhaseTimer
+
+    Attributes
+    ----------
+    state : Decomposition or None
+        This rank's share of the current decomposition; ``None`` until the
+        first :meth:`build` and after a failed step.
+    """
+
+    def __init__(
+        self,
+        comm: Comm,
+        halo: Halo,
+        settings: Settings,
+        inputs: ModelInputs,
+        timer: PhaseTimer,
+    ):
+        self.comm, self.halo, self.settings = comm, halo, settings
+        self.inputs, self.timer = inputs, timer
+        self.state: Decomposition | None = None
+
+    # -- the interface ------------------------------------------------------------------
+
+    @abstractmethod
+    def build(self, atoms: Atoms | None, request: Request) -> Decomposition:
+        """Partition, find this rank's ghosts and record the exchange plan (collective).
+
+        Sets and returns :attr:`state`; the halo's plan is recorded
+        (:meth:`ase_shard.exchange.Halo.borders`).
+        """
+
+    @abstractmethod
+    def node_rows(self, atoms: Atoms | None, request: Request) -> np.ndarray:
+        """This rank's node rows at this step (collective where rows travel).
+
+        ``(n, request.row_width)`` float64: positions (Å) and the packed
+        per-atom inputs. ``n`` is every node's row, except for distributed
+        atoms (owned rows only; :meth:`with_ghosts` adds the ghosts').
+        """
+
+    def stale(self, atoms: Atoms | None) -> str | None:
+        """Why :attr:`state` no longer fits ``atoms`` (a rebuild reason), if it does not."""
+        return None
+
+    def with_ghosts(self, rows: np.ndarray) -> np.ndarray:
+        """:meth:`node_rows` completed with the ghost nodes' rows (the rows as they are
+        unless the ghosts' come from their owners)."""
+        return rows
+
+    def failure(self, request: Request) -> Failure | None:
+        """This rank's share of the request's failure in the step's vote."""
+        return request.failure
+
+    @abstractmethod
+    def validate(self, atoms: Atoms | None, request: Request) -> None:
+        """Before a rebuild, check this rank's share of the atoms (raises ``ValueError``)."""
+
+    def share(self, atoms: Atoms | None, request: Request, inputs_digest: Any) -> Any:
+        """What this rank tells the others in the step's vote about its copy (small)."""
+        return None
+
+    def settle(
+        self, shares: list, request: Request, reason: str | None, copies: list[Atoms]
+    ) -> str | None:
+        """Every rank's :meth:`share`, after the vote: raise if the ranks' systems
+        disagree; the (possibly new) rebuild reason. ``copies`` are this call's
+        ``Atoms`` on this rank (the caller's and the calculator's)."""
+        return reason
+
+    @abstractmethod
+    def collect(self, partial: np.ndarray, owned: np.ndarray) -> tuple[Any, Any]:
+        """Where the results go: ``(every rank's partial sums, per-atom rows)`` on the
+        ranks that hold the ``Atoms`` (collective).
+
+        ``partial`` is this rank's ``(1, 7, 2)`` compensated sums of energy and
+        virial; ``owned`` its owned atoms' ``(n_owned, k)`` per-atom results.
+        """
+
+    def in_atom_order(self, values: np.ndarray) -> np.ndarray:
+        """Collected per-atom rows put in the order of the atoms this rank holds."""
+        return values
+
+    def decomposition(self) -> DecompositionView | None:
+        """The decomposition as a user inspects it; ``None`` where the owners are not
+        known."""
+        return None
+
+    # -- shared by the layouts ------------------------------------------------------------
+
+    def finish(
+        self, atoms: Atoms | None, request: Request, columns: np.ndarray
+    ) -> dict[str, Any] | None:
+        """ASE's results from the block's ``(10, n_nodes)`` columns (collective).
+
+        Ghost nodes' columns go back to their owners (reverse), then every
+        rank's owned results and partial sums travel to the ranks holding the
+        ``Atoms``; ``None`` elsewhere. Energy and virial are compensated sums,
+        added exactly over the ranks: the same bits on every rank, whatever the
+        order of the atoms, the cell or the number of ranks. Per-atom energies
+        and forces always travel, per-atom stresses only when asked for.
+        """
+        # ghosts' shares of energy (a pair taken once) and virial count towards the total
+        partial = compensated_row_sums(columns[TOTALS])[None]
+        wanted = [
+            (name, rows)
+            for name, rows in PER_ATOM
+            if name in ALWAYS or (name in request.properties and request.has_stress)
+        ]
+        selected = columns[[row for _, rows in wanted for row in rows]]  # a copy: added to
+        owned = self.halo.reverse(selected)
+        totals, values = self.collect(partial, np.ascontiguousarray(owned.T))
+        if atoms is None:
+            return None
+        totals = exact_total(totals)
+        results: dict[str, Any] = {"energy": float(totals[0]), "free_energy": float(totals[0])}
+        if request.has_stress:
+            results["stress"] = totals[1:] / atoms.get_volume()
+        values = self.in_atom_order(values)
+        start = 0
+        for name, rows in wanted:
+            result = values[:, start : start + len(rows)].copy()
+            start += len(rows)
+            if name == "stresses":
+                result /= atoms.get_volume()
+            results[name] = result[:, 0] if name == "energies" else result
+        return results
+
+    def partition(
+        self, atoms: Atoms, request: Request, first: int = 0
+    ) -> tuple[FrameCoordinates, np.ndarray]:
+        """Frame coordinates and owner rank of every atom of ``atoms``: the same rule on
+        every rank. Ranks below ``first`` own nothing (an idle driving rank)."""
+        with self.timer.phase("partition"):
+            coords = frame_coordinates(atoms.positions, request.cell, request.pbc)
+            ranks = self.comm.size - first
+            if self.settings.partition == "contiguous":
+                return coords, contiguous_owners(len(coords.s), ranks) + first
+            width = self.settings.halo_width
+            grid = self.settings.grid or choose_grid(coords, request.pbc, ranks, width)
+            return coords, spatial_owners(coords, tuple(grid)) + first
+
+    def rows_of(self, atoms: Atoms, ids: np.ndarray | slice) -> np.ndarray:
+        """Positions (Å) and packed per-atom inputs of the atoms ``ids`` of ``atoms``."""
+        positions = take_rows(atoms.positions, ids)
+        if not self.inputs.per_atom:
+            return positions
+        arrays = self.inputs.per_atom_arrays(atoms)
+        return np.concatenate([positions, pack(arrays, ids)], axis=1)
+
+
+def gathered_rows(owners: np.ndarray) -> np.ndarray | None:
+    """Each atom's row in results gathered by owner rank (ascending ids within a rank).
+
+    ``None`` when that is the atoms' own order (one rank, contiguous blocks).
+    """
+    if (np.diff(owners) >= 0).all():
+        return None
+    rows = np.empty(len(owners), dtype=np.int64)
+    rows[np.argsort(owners, kind="stable")] = np.arange(len(owners))
+    return rows
+
+
+def in_order(values: np.ndarray, row: np.ndarray | None) -> np.ndarray:
+    """Rows gathered by owner rank put back in atom order (:func:`gathered_rows`)."""
+    # a gather by row, several times faster than numpy's scatter into rows
+    return values if row is None else np.take(values, row, axis=0)
