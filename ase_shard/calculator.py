@@ -22,7 +22,6 @@ halo's (:class:`ase_shard.exchange.Halo`); the collectives are :mod:`ase_shard.c
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -46,8 +45,9 @@ from ase_shard.layouts import (
     Request,
     RootLayout,
 )
-from ase_shard.padding import Capacities
+from ase_shard.padding import Capacities, CompiledModel
 from ase_shard.placement import checked_dtype, place_rank, placed
+from ase_shard.reuse import displacement_reason, forced_rebuild
 from ase_shard.settings import Settings, checked_timeout, rank_grid
 from ase_shard.system import changed_fields, validate_cell, validate_positions
 from ase_shard.timing import PhaseTimer
@@ -56,17 +56,6 @@ logger = logging.getLogger(__name__)
 
 # every change check_state can report
 _CHANGES = (*all_changes, "model inputs")
-
-
-def _failed_frames() -> int:
-    """Frames torch.compile has given up on in this process (they ran eagerly)."""
-    frames = torch._dynamo.utils.counters["frames"]
-    return frames["total"] - frames["ok"]
-
-
-def _strain(deformation: np.ndarray) -> float:
-    """Spectral norm of ``F - I`` for a cell deformation ``F``."""
-    return float(np.linalg.norm(deformation - np.eye(3), ord=2))
 
 
 class ShardedCalculator(Calculator):
@@ -158,14 +147,12 @@ class ShardedCalculator(Calculator):
     ):
         Calculator.__init__(self, **kwargs)
         self.comm = Comm(comm)
-        # every rank checks its arguments and model, then one vote: every rank raises
-        # the same error together (reported once under mpirun), never one rank alone
-        failure = None
-        try:
-            check_model(model)
-            self.settings = Settings.checked(
-                model,
-                self.comm.size,
+        self._place(
+            model,
+            device,
+            dtype,
+            timeout,
+            dict(
                 skin=skin,
                 partition=partition,
                 grid=grid,
@@ -173,7 +160,41 @@ class ShardedCalculator(Calculator):
                 compile=compile,
                 min_distance=min_distance,
                 neighbor_list=neighbor_list,
-            )
+            ),
+        )
+        self.parameters.update(self.settings.parameters(model))
+        self.inputs = ModelInputs.of(model)
+        if hasattr(self.model, "reference_energies"):
+            self.implemented_properties = [*self.implemented_properties, "node_energy"]
+        self.rebuilds = 0
+        self.timer = PhaseTimer(self.device, self.comm)
+        self.halo = Halo(self.comm, self.device)
+        self.layout: Layout = self._layout(ReplicatedLayout)
+        self._block: LocalBlock | None = None
+        self._compiled = None
+        if compile:
+            backend = compile if isinstance(compile, str) else "inductor"
+            self._compiled = CompiledModel(self.model, backend)
+        self._driving = False  # worker mode: rank 0 drives, the others serve
+        self._on_close: list[Callable[[], None]] = []
+        self._copies: list[Atoms] = []  # this call's Atoms: the caller's and ours
+        self._inputs_digest: bytes | None = None  # of the inputs last calculated
+        self._met = False  # check_state's vote was this call's rendezvous
+
+    def _place(
+        self, model: ShardModel, device: Any, dtype: Any, timeout: Any, arguments: dict
+    ) -> None:
+        """Check the arguments and place the model on every rank, or raise on every rank.
+
+        Sets :attr:`settings`, :attr:`timeout`, :attr:`device`, :attr:`dtype`
+        and :attr:`model`. Every rank checks, then one vote: every rank raises
+        the same error together (reported once under mpirun), never one rank
+        alone; a model whose parameters differ between ranks is an error too.
+        """
+        failure = None
+        try:
+            check_model(model)
+            self.settings = Settings.checked(model, self.comm.size, **arguments)
             self.timeout = checked_timeout(timeout)
             dtype = checked_dtype(dtype, model)
         except (TypeError, ValueError) as exc:
@@ -200,37 +221,18 @@ class ShardedCalculator(Calculator):
             raise error
         # models that sum their own forces on the host may then split pairs between ranks
         self._on_host_everywhere = all(view[1] == "cpu" for view in views)
-        self.parameters.update(self.settings.parameters(model))
-        self.inputs = ModelInputs.of(model)
-        if hasattr(self.model, "reference_energies"):
-            self.implemented_properties = [*self.implemented_properties, "node_energy"]
-        self.rebuilds = 0
-        self.timer = PhaseTimer(self.device, self.comm)
-        self.halo = Halo(self.comm, self.device)
-        self.layout: Layout = self._layout(ReplicatedLayout)
-        self._block: LocalBlock | None = None
-        self._compiled = None
-        self._capacity = Capacities()
-        # frames torch.compile gave up on and ran eagerly, while this calculator ran
-        self.compile_fallbacks = 0
-        if compile:
-            # a frame dynamo cannot compile runs eagerly instead of raising; counted
-            # and warned about in _count_compile_fallbacks
-            torch._dynamo.config.suppress_errors = True
-            backend = compile if isinstance(compile, str) else "inductor"
-            self._compiled = torch.compile(self.model, backend=backend, dynamic=False)
-            self._failed_frames = _failed_frames()
-        self._driving = False  # worker mode: rank 0 drives, the others serve
-        self._on_close: list[Callable[[], None]] = []
-        self._copies: list[Atoms] = []  # this call's Atoms: the caller's and ours
-        self._inputs_digest: bytes | None = None  # of the inputs last calculated
-        self._met = False  # check_state's vote was this call's rendezvous
 
     # -- what users and ASE see -----------------------------------------------------------
 
     @property
     def skin(self) -> float:
         return self.settings.skin
+
+    @property
+    def compile_fallbacks(self) -> int:
+        """With ``compile``: how often torch.compile gave up on part of the model (run
+        eagerly then, with a ``RuntimeWarning``)."""
+        return 0 if self._compiled is None else self._compiled.fallbacks
 
     @property
     def halo_reach(self) -> float:
@@ -393,7 +395,9 @@ class ShardedCalculator(Calculator):
         """One collective evaluation; ``atoms`` is ``None`` on serving ranks, which get
         no results."""
         layout, timer = self.layout, self.timer
-        reason, deformation = self._forced_rebuild(request)
+        reason, deformation = forced_rebuild(
+            layout.state, request.n_atoms, request.cell, request.changed
+        )
         if reason is None:
             reason = layout.stale(atoms)
         rows = None
@@ -436,29 +440,6 @@ class ShardedCalculator(Calculator):
 
     # -- 2. the vote -------------------------------------------------------------------
 
-    def _forced_rebuild(self, request: Request) -> tuple[str | None, np.ndarray | None]:
-        """A rebuild reason every rank sees alike, and the cell deformation since the build.
-
-        The deformation ``F`` (``cell = cell_at_build @ F``) is ``None`` when
-        the cell did not change or a rebuild is due anyway.
-        """
-        state = self.layout.state
-        if state is None:
-            return "first call", None
-        if request.n_atoms != state.n_atoms or request.changed:
-            return "atoms or pbc changed", None
-        if (request.cell == state.cell).all():
-            return None, None
-        if np.count_nonzero(state.cell.any(axis=1)) < 3:
-            return "cell changed", None
-        try:
-            deformation = np.linalg.solve(state.cell, request.cell)
-        except np.linalg.LinAlgError:
-            return "cell changed", None
-        if _strain(deformation) >= 0.5:
-            return "cell changed", None
-        return None, deformation
-
     def _agree(
         self,
         atoms: Atoms | None,
@@ -485,7 +466,9 @@ class ShardedCalculator(Calculator):
                 validate_cell(request.cell, request.pbc)  # else the build's cell, checked then
             if rows is not None:
                 self._validate_rows(rows, request)
-                own_reason = self._displacement_reason(rows, deformation)
+                own_reason = displacement_reason(
+                    layout.state, rows[:, :3], deformation, self.settings.halo_reach, self.skin
+                )
             else:
                 layout.validate(atoms, request)
             return own_reason, layout.share(atoms, request, self._inputs_digest)
@@ -493,30 +476,6 @@ class ShardedCalculator(Calculator):
         views = self.comm.share(own, failed=layout.failure(request))
         reason = next((view[0] for view in views if view[0] is not None), None)
         return layout.settle([view[1] for view in views], request, reason, self._copies)
-
-    def _displacement_reason(
-        self, rows: np.ndarray, deformation: np.ndarray | None
-    ) -> str | None:
-        """Why pair distances may have changed by more than the skin (owned atoms only).
-
-        Reuse is safe while every pair now within the halo reach ``W`` was
-        within ``W + skin`` at the build. With the cell deformed by ``F`` (a
-        barostat) and each atom displaced by ``u_i`` beyond that affine map, a
-        pair vector changes by at most ``|F - I| |d0| + 2 max |u|``, which
-        gives the test ``(W |F - I| + 2 max |u|) / (1 - |F - I|) <= skin``.
-        Without a cell change this is the usual ``max |u| <= skin / 2``. The
-        ranks combine their own atoms' verdicts.
-        """
-        state = self.layout.state
-        moved = rows[: state.rows.n_owned, :3] - (
-            state.owned_positions if deformation is None else state.owned_positions @ deformation
-        )
-        strain = 0.0 if deformation is None else _strain(deformation)
-        displacement = np.sqrt(np.einsum("ij,ij->i", moved, moved).max(initial=0.0))
-        growth = (self.halo_reach * strain + 2.0 * displacement) / (1.0 - strain)
-        if growth > self.skin:
-            return f"pair distances may have changed by {growth:.3f} Å > skin"
-        return None
 
     def _validate_rows(self, rows: np.ndarray, request: Request) -> None:
         """Finite positions and inputs of this rank's owned atoms."""
@@ -554,8 +513,7 @@ class ShardedCalculator(Calculator):
         state.counts = np.array([view[0] for view in views], dtype=np.int64)
         if self._compiled is not None:
             # every rank pads to the same sizes, so they (re)compile together
-            self._capacity = self._capacity.grown(Capacities.largest([v[1] for v in views]))
-            self._block.pad(self._capacity)
+            self._block.pad(self._compiled.grow([view[1] for view in views]))
         if self.comm.is_root:
             owned, evaluated = state.counts[:, 1], state.counts[:, 2]
             logger.info(
@@ -582,7 +540,7 @@ class ShardedCalculator(Calculator):
             device=self.device,
             exchange=plan if settings.halo == "layer" else None,
             timer=self.timer,
-            compiled=self._compiled,
+            compiled=None if self._compiled is None else self._compiled.compiled,
             min_distance=settings.min_distance,
             neighbor_list=settings.neighbor_list,
             pair_halo=plan if self.comm.size > 1 and self._on_host_everywhere else None,
@@ -605,7 +563,7 @@ class ShardedCalculator(Calculator):
                 rows[:, :3], request.cell, self.dtype, inputs, request.system
             )
             if self._compiled is not None:
-                self._count_compile_fallbacks()
+                self._compiled.count_fallbacks()
             # the closing status vote (see ase_shard.exchange)
             if comm.any(False):
                 raise PeerFailure("another rank failed")
@@ -623,21 +581,6 @@ class ShardedCalculator(Calculator):
                     [f for f in failed if f.qualname != PeerFailure.__qualname__] or failed
                 )
         return columns
-
-    def _count_compile_fallbacks(self) -> None:
-        """Warn when torch.compile gave up on part of the model (it then runs eagerly)."""
-        failed = _failed_frames()
-        if failed > self._failed_frames:
-            self.compile_fallbacks += failed - self._failed_frames
-            self._failed_frames = failed
-            warnings.warn(
-                f"torch.compile could not compile part of {type(self.model).__name__}; "
-                "that part runs eagerly, "
-                f"{self.compile_fallbacks} time(s) so far (calc.compile_fallbacks); "
-                "torch._dynamo's warning in the log says why",
-                RuntimeWarning,
-                stacklevel=2,
-            )
 
     # -- helpers -----------------------------------------------------------------------
 

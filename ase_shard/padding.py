@@ -15,6 +15,7 @@ summed and no gradient flows from them into real atoms.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -100,3 +101,59 @@ def pad_graph(
         system=graph.system,
         hops=None,
     )
+
+
+class CompiledModel:
+    """A model run through ``torch.compile`` on padded graphs, and what it needs.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+    backend : str
+        ``torch.compile``'s backend.
+
+    Attributes
+    ----------
+    compiled : callable
+        The compiled model; the block gives it graphs padded to :attr:`capacity`.
+    capacity : Capacities
+        The padded sizes every rank uses; they grow only when some rank
+        outgrows them, so the ranks recompile together, rarely.
+    fallbacks : int
+        Frames torch.compile gave up on (they ran eagerly) while this model ran.
+    """
+
+    def __init__(self, model: torch.nn.Module, backend: str):
+        # a frame dynamo cannot compile runs eagerly instead of raising; counted and
+        # warned about in count_fallbacks
+        torch._dynamo.config.suppress_errors = True
+        self.compiled = torch.compile(model, backend=backend, dynamic=False)
+        self.name = type(model).__name__
+        self.capacity = Capacities()
+        self.fallbacks = 0
+        self._failed = _failed_frames()
+
+    def grow(self, every_rank_needs: list[Capacities]) -> Capacities:
+        """The capacities after every rank's needs (the same on every rank)."""
+        self.capacity = self.capacity.grown(Capacities.largest(every_rank_needs))
+        return self.capacity
+
+    def count_fallbacks(self) -> None:
+        """Warn when torch.compile gave up on part of the model (it then runs eagerly)."""
+        failed = _failed_frames()
+        if failed > self._failed:
+            self.fallbacks += failed - self._failed
+            self._failed = failed
+            warnings.warn(
+                f"torch.compile could not compile part of {self.name}; that part runs "
+                f"eagerly, {self.fallbacks} time(s) so far (calc.compile_fallbacks); "
+                "torch._dynamo's warning in the log says why",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+
+def _failed_frames() -> int:
+    """Frames torch.compile has given up on in this process (they ran eagerly)."""
+    frames = torch._dynamo.utils.counters["frames"]
+    return frames["total"] - frames["ok"]

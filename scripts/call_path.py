@@ -2,7 +2,8 @@
 
 Runs a small MD-like step (a move of every atom, then ``atoms.get_forces()``)
 under ``sys.setprofile`` and follows the innermost frame that belongs to the
-``ase_shard`` package. Each time that frame's file changes is a *move*: *down*
+``ase_shard`` package (the phase timers in ``timing.py`` are left out: they
+are instrumentation). Each time that frame's file changes is a *move*: *down*
 when a function of another module is called, *up* when control returns to a
 caller in another module. A layered design goes down a path and comes back
 once; a hub is re-entered after each call it makes.
@@ -32,9 +33,17 @@ from ase_shard.models import EMT, LennardJones
 PACKAGE = os.path.dirname(ase_shard.__file__) + os.sep
 
 
+# instrumentation, not the data path: the phase timers' context managers
+TRANSPARENT = ("timing.py",)
+
+
 def _module(filename: str) -> str | None:
-    """``calculator.py``, ``models/emt.py``, ... for files of the package, else ``None``."""
-    return filename[len(PACKAGE) :] if filename.startswith(PACKAGE) else None
+    """``calculator.py``, ``models/emt.py``, ... for files of the package, else ``None``
+    (also for :data:`TRANSPARENT` modules)."""
+    if not filename.startswith(PACKAGE):
+        return None
+    module = filename[len(PACKAGE) :]
+    return None if module in TRANSPARENT else module
 
 
 class PathRecorder:

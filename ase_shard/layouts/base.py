@@ -241,15 +241,12 @@ class Layout(ABC):
     @abstractmethod
     def collect(self, partial: np.ndarray, owned: np.ndarray) -> tuple[Any, Any]:
         """Where the results go: ``(every rank's partial sums, per-atom rows)`` on the
-        ranks that hold the ``Atoms`` (collective).
+        ranks that hold the ``Atoms``, the rows in the order of the atoms they hold
+        (collective).
 
         ``partial`` is this rank's ``(1, 7, 2)`` compensated sums of energy and
         virial; ``owned`` its owned atoms' ``(n_owned, k)`` per-atom results.
         """
-
-    def in_atom_order(self, values: np.ndarray) -> np.ndarray:
-        """Collected per-atom rows put in the order of the atoms this rank holds."""
-        return values
 
     def decomposition(self) -> DecompositionView | None:
         """The decomposition as a user inspects it; ``None`` where the owners are not
@@ -286,7 +283,6 @@ class Layout(ABC):
         results: dict[str, Any] = {"energy": float(totals[0]), "free_energy": float(totals[0])}
         if request.has_stress:
             results["stress"] = totals[1:] / atoms.get_volume()
-        values = self.in_atom_order(values)
         start = 0
         for name, rows in wanted:
             result = values[:, start : start + len(rows)].copy()

@@ -186,10 +186,8 @@ class ReplicatedLayout(Layout):
     def collect(self, partial: np.ndarray, owned: np.ndarray) -> tuple[Any, Any]:
         comm = self.comm
         totals = comm.allgather_rows(partial, np.ones(comm.size, dtype=np.int64))
-        return totals, comm.allgather_rows(owned, self.state.counts[:, 1])
-
-    def in_atom_order(self, values: np.ndarray) -> np.ndarray:
-        return in_order(values, self.gathered_row)
+        values = comm.allgather_rows(owned, self.state.counts[:, 1])
+        return totals, None if values is None else in_order(values, self.gathered_row)
 
     def decomposition(self) -> DecompositionView | None:
         if self.state is None or self.owners is None:

@@ -132,10 +132,8 @@ class RootLayout(Layout):
     def collect(self, partial: np.ndarray, owned: np.ndarray) -> tuple[Any, Any]:
         comm = self.comm
         totals = comm.gather_rows(partial, np.ones(comm.size, dtype=np.int64))
-        return totals, comm.gather_rows(owned, self.state.counts[:, 1])
-
-    def in_atom_order(self, values: np.ndarray) -> np.ndarray:
-        return in_order(values, self.gathered_row)
+        values = comm.gather_rows(owned, self.state.counts[:, 1])
+        return totals, None if values is None else in_order(values, self.gathered_row)
 
     def decomposition(self) -> DecompositionView | None:
         if self.state is None or self.owners is None:
