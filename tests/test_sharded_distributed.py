@@ -1,4 +1,4 @@
-"""Distributed atoms: each rank holds its own atoms; results equal ASE's and the serial oracles.
+"""Distributed atoms: each rank holds its own atoms; results equal ASE's and the periodic graph's.
 
 Run at any rank count (plain pytest, and ``mpirun -n 2, 3, 4`` in ``make test``).
 The oracles are ASE's own calculators and drivers, and the one-graph periodic
