@@ -2,8 +2,8 @@
 
 Runs with plain pytest (one rank) and under
 ``mpirun -n P python -m pytest --with-mpi tests/test_sharded_mace.py``. Every
-rank builds the same random-weight model (seeded) and computes the
-``MACECalculator`` reference itself.
+rank builds the same random-weight model (seeded); rank 0 computes the
+``MACECalculator`` reference and broadcasts it.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def model_and_file(tmp_path_factory):
 def test_matches_mace_calculator(system: str, partition: str, halo: str, model_and_file) -> None:
     model, path = model_and_file
     atoms = SYSTEMS[system]()
-    reference = mace_reference(path, atoms)
+    reference = on_root(lambda: mace_reference(path, atoms))
     atoms.calc = ShardedCalculator(MACE(model), partition=partition, halo=halo)
     got = results(atoms)
     assert_matches(got, reference)
@@ -65,7 +65,7 @@ def test_direction_sensitive_blocks(tmp_path) -> None:
     model = make_mace("density_zbl_agnesi", seed=12)
     path = save_model(model, tmp_path / "mace.model")
     atoms = SYSTEMS["slab"]()
-    reference = mace_reference(path, atoms)
+    reference = on_root(lambda: mace_reference(path, atoms))
     atoms.calc = ShardedCalculator(MACE(model))
     got = results(atoms)
     assert_matches(got, reference)
@@ -118,7 +118,7 @@ def test_few_atoms_and_an_isolated_one(model_and_file, halo: str) -> None:
     """A pair and an atom with no neighbours (E0 plus shift)."""
     model, path = model_and_file
     atoms = Atoms("CuAlAg", positions=[[0.0, 0.0, 0.0], [2.4, 0.3, 0.1], [9.0, 9.0, 9.0]])
-    reference = mace_reference(path, atoms)
+    reference = on_root(lambda: mace_reference(path, atoms))
     atoms.calc = ShardedCalculator(MACE(model), halo=halo)
     got = results(atoms)
     assert_matches(got, reference)

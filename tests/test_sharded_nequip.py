@@ -3,7 +3,8 @@ NequIP with the per-layer halo (its default) and the full halo.
 
 Plain pytest runs one rank; ``mpirun -n P python -m pytest --with-mpi
 tests/test_sharded_nequip.py`` runs P. Every rank builds the same seeded
-models and evaluates nequip's (serial) calculator itself as the reference.
+models; rank 0 evaluates nequip's (serial) calculator as the reference and
+broadcasts it.
 """
 
 from __future__ import annotations
@@ -64,11 +65,11 @@ def _model(kind: str):
 
 
 def _reference(kind: str, system: str) -> dict:
-    """nequip's calculator on this rank (cached across partitions)."""
+    """nequip's calculator (rank 0's, broadcast; cached across partitions)."""
     if (kind, system) not in _REFERENCES:
         atoms = SYSTEMS[system]()
-        atoms.calc = nequip_calculator(_model(kind))
-        _REFERENCES[kind, system] = ase_results(atoms.calc, atoms)
+        reference = on_root(lambda: ase_results(nequip_calculator(_model(kind)), atoms))
+        _REFERENCES[kind, system] = reference
     return _REFERENCES[kind, system]
 
 

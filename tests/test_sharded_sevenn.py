@@ -1,8 +1,8 @@
 """SevenNet adapter at any rank count: sharded results equal SevenNet's own calculator.
 
 Plain pytest runs one rank; ``mpirun -n P python -m pytest --with-mpi`` runs P. Every
-rank builds the same models; the references (``SevenNetCalculator``) are computed by
-every rank itself, or by rank 0 alone and broadcast.
+rank builds the same models; rank 0 computes the references (``SevenNetCalculator``)
+and broadcasts them.
 """
 
 from __future__ import annotations
@@ -46,10 +46,13 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def tiny_references(tiny):
-    return {
-        name: ase_results(reference_calculator(tiny), atoms)
-        for name, atoms in tiny_systems().items()
-    }
+    """SevenNet's calculator on ``tiny_systems()`` (rank 0's, broadcast)."""
+    return on_root(
+        lambda: {
+            name: ase_results(reference_calculator(tiny), atoms)
+            for name, atoms in tiny_systems().items()
+        }
+    )
 
 
 @pytest.mark.parametrize("halo", ["layer", "full"])
