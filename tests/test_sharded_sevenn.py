@@ -99,7 +99,12 @@ def test_7net0_periodic(sevennet0, sevennet0_calculator) -> None:
 
 def test_7net0_layer_halo_equals_full_halo(sevennet0, sevennet0_calculator) -> None:
     """7net-0 in float64: the one-cutoff halo with exchanges and the 25 Å halo both give
-    what SevenNet's own calculator gives on its 7net-0 network cast to float64."""
+    what SevenNet's own calculator gives on its 7net-0 network cast to float64.
+
+    Measured at 1-3 ranks, either halo: <= 8e-16 (energy, per-atom energies, forces) and
+    5e-12 (stress). The network is the calculator's own: a fresh
+    ``load_checkpoint("7net-0").build_model()`` differs from it by 1.6e-10 in forces.
+    """
     atoms = dilute_periodic(n_atoms=16, box=16.0, seed=1)
 
     def reference():
