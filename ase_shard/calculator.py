@@ -37,7 +37,7 @@ from ase.calculators.calculator import Calculator, all_changes, compare_atoms
 from ase_shard.block import LocalBlock
 from ase_shard.comm import CALCULATE, CLOSE, Comm, describe, node_local_rank, rebuild
 from ase_shard.distributed import GLOBAL_ID, DistributedAtoms, migrate
-from ase_shard.exchange import HaloExchange, PeerFailure
+from ase_shard.exchange import HaloExchange, PeerFailure, check_status
 from ase_shard.graph import (
     ShardModel,
     check_model,
@@ -733,13 +733,12 @@ class ShardedCalculator(Calculator):
             if self._compiled is not None:
                 self._count_compile_fallbacks()
             # the closing status vote (see ase_shard.exchange)
-            if comm.any(False):
-                raise PeerFailure("another rank failed")
+            check_status(*comm.status(False, closing=True), "in its evaluation")
         except PeerFailure as exc:
             error = describe(exc, comm.rank)
         except Exception as exc:
             error = describe(exc, comm.rank)
-            comm.any(True)
+            comm.status(True, closing=True)
 
         with timer.phase("gather"):
             # after the vote every rank knows whether some rank failed

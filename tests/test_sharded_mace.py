@@ -17,7 +17,6 @@ pytest.importorskip("mace")  # before e3nn: mace allows e3nn's pickled constants
 
 from ase import Atoms  # noqa: E402
 from sharded import (  # noqa: E402
-    COMM,
     assert_close_to,
     assert_identical_on_all_ranks,
     assert_ranks_own_nothing_iff_fewer_atoms,
@@ -81,23 +80,11 @@ def few_atoms_references(model_and_file):
     )
 
 
-def _empty_rank_runs_the_product(n_atoms: int):
-    """Known bug: with the layer halo, a rank that owns nothing calls MACE's product
-    (symmetric contraction) on zero rows, whose ``out.view(0, -1)`` raises; the mark
-    is strict, so the test fails once ``ase_shard/models/mace.py`` is fixed."""
-    return pytest.mark.xfail(
-        COMM.size > n_atoms,
-        reason="MACE.forward runs the product on an empty rank's zero rows",
-        raises=RuntimeError,
-        strict=True,
-    )
-
-
 @pytest.mark.parametrize(
     "name, halo",
     [
-        pytest.param("one", "layer", marks=_empty_rank_runs_the_product(1)),
-        pytest.param("two", "layer", marks=_empty_rank_runs_the_product(2)),
+        ("one", "layer"),
+        ("two", "layer"),
         ("one", "full"),
         ("two", "full"),
     ],
