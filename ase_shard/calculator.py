@@ -34,7 +34,7 @@ from ase.calculators.calculator import Calculator, all_changes
 from ase_shard.block import LocalBlock
 from ase_shard.comm import CALCULATE, CLOSE, Comm, Failure, reraise
 from ase_shard.distributed import DistributedAtoms
-from ase_shard.exchange import Halo, PeerFailure
+from ase_shard.exchange import Halo, PeerFailure, check_status
 from ase_shard.graph import ShardModel, check_model, model_digest
 from ase_shard.inputs import ModelInputs, unpack
 from ase_shard.layouts import (
@@ -553,7 +553,9 @@ class ShardedCalculator(Calculator):
 
         A rank whose model raised casts a "failed" status vote; the others
         stop at their next vote (:class:`ase_shard.exchange.PeerFailure`),
-        and every rank raises the error of the ranks that failed.
+        and every rank raises the error of the ranks that failed. Ranks whose
+        models made different exchanges stop at the first vote where they part
+        (:class:`ase_shard.exchange.ExchangeMismatch`).
         """
         comm = self.comm
         failure = None
@@ -565,13 +567,12 @@ class ShardedCalculator(Calculator):
             if self._compiled is not None:
                 self._compiled.count_fallbacks()
             # the closing status vote (see ase_shard.exchange)
-            if comm.any(False):
-                raise PeerFailure("another rank failed")
+            check_status(*comm.status(False, closing=True), "in its evaluation")
         except PeerFailure as exc:
             failure = Failure.of(exc, comm.rank)
         except Exception as exc:
             failure = Failure.of(exc, comm.rank)
-            comm.any(True)
+            comm.status(True, closing=True)
         if failure is not None:
             with self.timer.phase("gather"):
                 # after the vote every rank knows that some rank failed

@@ -171,6 +171,8 @@ class Comm:
         self.mpi_cpu = 0.0
         # bytes of bulk data (buffers, not pickles) received from other ranks
         self.received_bytes = 0
+        # status votes cast so far in the current evaluation (see status)
+        self._votes = 0
 
     @property
     def is_root(self) -> bool:
@@ -453,6 +455,39 @@ class Comm:
             return bool(flag)
         with self._call():
             return bool(self.mpi.allreduce(bool(flag), op=_lor()))
+
+    def status(self, failed: bool, closing: bool = False) -> tuple[bool, bool]:
+        """A status vote within a collective evaluation: one allreduce.
+
+        Every halo exchange of an evaluation starts with one, and the
+        evaluation ends with a ``closing`` one; a rank whose model raised
+        casts its closing vote at once instead of joining further exchanges.
+
+        Returns
+        -------
+        any_failed : bool
+            Some rank voted ``failed``.
+        together : bool
+            Every rank cast this vote at the same point: the same exchange of
+            the evaluation, or all closing it. A model that makes different
+            exchanges on different ranks (a bug) is found at the first vote
+            where the ranks part, instead of leaving one rank waiting in a
+            collective the others never enter.
+        """
+        position = -1 if closing else self._votes
+        self._votes = 0 if closing else self._votes + 1
+        if self.mpi is None:
+            return bool(failed), True
+        from mpi4py import MPI
+
+        votes = np.array([int(failed), position, -position], dtype=np.int64)
+        result = np.empty_like(votes)
+        with self._call():
+            self.mpi.Allreduce(votes, result, op=MPI.MAX)
+        any_failed, together = bool(result[0]), bool(result[1] == -result[2])
+        if any_failed or not together:
+            self._votes = 0  # every rank leaves the evaluation at this vote
+        return any_failed, together
 
     def node_placement(self) -> tuple[int, int]:
         """``(rank, size)`` among the processes of this communicator on this node."""

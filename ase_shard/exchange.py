@@ -122,6 +122,26 @@ class PeerFailure(RuntimeError):
     """Another rank failed during a collective evaluation (its error is reported)."""
 
 
+class ExchangeMismatch(PeerFailure):
+    """The ranks made different halo exchanges in one evaluation (a model bug).
+
+    A :class:`PeerFailure`: every rank raises it at the same vote, so none casts
+    a further one.
+    """
+
+
+def check_status(any_failed: bool, together: bool, where: str) -> None:
+    """Raise for a status vote (:meth:`ase_shard.comm.Comm.status`) that is not all clear."""
+    if any_failed:
+        raise PeerFailure(f"another rank failed {where}")
+    if not together:
+        raise ExchangeMismatch(
+            f"the ranks made different halo exchanges in one evaluation (found {where}): "
+            "a model must make the same exchanges, forward and backward, on every rank, "
+            "also on a rank that owns no atoms"
+        )
+
+
 TRANSPORTS = ("host", "pinned", "pageable", "device")
 
 
@@ -295,13 +315,13 @@ class HaloExchange:
         return halo_exchange(owned, self.token, self.handle)
 
     def vote(self) -> None:
-        """Status vote; raises :class:`PeerFailure` if another rank failed.
+        """Status vote; raises :class:`PeerFailure` if another rank failed, or
+        :class:`ExchangeMismatch` if the ranks are not at the same exchange.
 
         A failed rank casts its one "failed" vote from the calculator
-        (``comm.any(True)``) instead of joining further exchanges.
+        (``comm.status(True, closing=True)``) instead of joining further exchanges.
         """
-        if self.comm.any(False):
-            raise PeerFailure("another rank failed during the halo exchange")
+        check_status(*self.comm.status(False), "during the halo exchange")
 
     def forward_rows(self, owned: np.ndarray) -> np.ndarray:
         """The ghost nodes' rows, from their owners' ``owned`` rows (host, no autograd).

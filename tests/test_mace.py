@@ -229,6 +229,26 @@ def test_matches_mace_calculator(variant: str, system: str, mace_models) -> None
         np.testing.assert_allclose(got["stresses"].sum(axis=0), got["stress"], atol=1e-14)
 
 
+@pytest.mark.parametrize("head", [None, "pbe"])
+def test_energy_call_leaves_what_mace_calculator_leaves(head, tmp_path) -> None:
+    """After ``get_potential_energy``, every key MACECalculator fills (node_energy: the
+    per-atom energy less its element's E0 of the head), with the same values."""
+    model = make_mace("scale_shift", seed=6, heads=["pbe", "Default"])
+    path = save_model(model, tmp_path / "heads.model")
+    atoms, reference = bulk_system(), bulk_system()
+    kwargs = {} if head is None else {"head": head}
+    reference.calc = MACECalculator(
+        model_paths=path, device="cpu", default_dtype="float64", **kwargs
+    )
+    atoms.calc = calc = ShardedCalculator(MACE(path, head=head))
+    reference.get_potential_energy()
+    atoms.get_potential_energy()
+    expected = set(reference.calc.results)
+    assert {"node_energy", "energies", "forces"} <= expected <= set(calc.results)
+    assert_matches(calc.results, {k: reference.calc.results[k] for k in expected})
+    np.testing.assert_allclose(atoms.calc.get_property("node_energy"), calc.results["node_energy"])
+
+
 def test_model_file(tmp_path) -> None:
     model = make_mace("scale_shift", seed=4)
     path = save_model(model, tmp_path / "mace.model")
@@ -284,7 +304,7 @@ def test_rejects_unknown_head_and_models() -> None:
 def test_unsupported_element_is_refused() -> None:
     atoms = bulk("Fe", "bcc", a=2.87, cubic=True)
     atoms.calc = ShardedCalculator(MACE(make_mace("scale_shift")))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"does not support Fe \(it supports Al, Cu, Ag\)"):
         atoms.get_potential_energy()
 
 

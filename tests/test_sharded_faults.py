@@ -21,12 +21,14 @@ from ase import Atoms
 from ase.build import bulk
 from ase.calculators.emt import EMT as AseEMT
 from ase.calculators.lj import LennardJones as AseLennardJones
-from oracles import ase_results, relative_errors
+from oracles import ase_results, evaluate_periodic_graph, relative_errors
 from sharded import COMM, assert_identical_on_all_ranks, results
 from soak import run_nve_soak
 from systems import AR, CASES
+from toy_models import ToyMessagePassing
 
 from ase_shard import CollectiveError, ShardedCalculator
+from ase_shard.exchange import ExchangeMismatch
 from ase_shard.models import EMT, LennardJones
 from ase_shard.partition import PARTITIONS
 
@@ -184,6 +186,39 @@ class _SecondExchangeFails:
 def test_kernel_exception_between_its_exchanges() -> None:
     """The other ranks wait in the kernel's second exchange: they stop there, not hang."""
     _fail_then_recover(FailsBetweenExchanges({LAST}), Boom, rf"kernel failed \[rank {LAST}\]$")
+
+
+class SkipsExchanges(ToyMessagePassing):
+    """A per-layer-halo model that, while ``armed``, makes no halo exchange on ``rank``:
+    a model bug (MACE's adapter once cut its empty rank's backward short this way)."""
+
+    def __init__(self, rank: int):
+        super().__init__(cutoff=3.0, num_layers=3)
+        self.rank, self.armed = rank, False
+
+    def forward(self, graph):
+        if self.armed and COMM.rank == self.rank:
+            graph = dataclasses.replace(graph, exchange=None)
+        return super().forward(graph)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_that_skips_exchanges_is_found_not_waited_for() -> None:
+    """The other ranks' exchange votes meet the last rank's closing vote: every rank
+    raises at that vote (before: the others waited in an exchange forever)."""
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(2)
+    model = SkipsExchanges(LAST)
+    atoms.calc = calc = ShardedCalculator(model, halo="layer")
+    atoms.get_forces()
+    atoms.positions[0, 0] += 0.01
+    model.armed = True
+    with pytest.raises(ExchangeMismatch, match="made different halo exchanges") as caught:
+        atoms.get_forces()
+    assert len(set(COMM.allgather(str(caught.value)))) == 1
+    model.armed = False
+    errors = relative_errors(results(atoms), evaluate_periodic_graph(model, atoms))
+    assert max(errors.values()) <= 1e-10, errors
+    assert calc.rebuilds == 2  # the call after an error starts from a fresh layout
 
 
 # -- 3: bad or unusual input ----------------------------------------------------------

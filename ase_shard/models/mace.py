@@ -250,11 +250,7 @@ class MACE(torch.nn.Module):
                 edge_index=edge_index[:, :n_edges],
                 **{key: value for key, value in optional.items() if key in accepted},
             )
-            node_feats = product(
-                node_feats=node_feats[:n_out],
-                sc=None if sc is None else sc[:n_out],
-                node_attrs=node_attrs[:n_out],
-            )
+            node_feats = self._product(product, node_feats, sc, node_attrs, n_out)
             node_feats_list.append(node_feats[:n_owned])
             if exchange is not None and i < n_layers - 1:
                 node_feats = exchange(node_feats[:n_owned])
@@ -277,6 +273,38 @@ class MACE(torch.nn.Module):
                 torch.stack([node_e0, pair_node_energy, *readout_energies], dim=-1), dim=-1
             )
         return torch.cat([energies, energies.new_zeros(n - n_owned)])
+
+    @staticmethod
+    def _product(
+        product: torch.nn.Module,
+        node_feats: torch.Tensor,
+        sc: torch.Tensor | None,
+        node_attrs: torch.Tensor,
+        n_out: int,
+    ) -> torch.Tensor:
+        """MACE's product (symmetric contraction) on the first ``n_out`` rows.
+
+        MACE reshapes its output with ``view(n, -1)``, which zero rows cannot
+        take; a rank that owns nothing (per-layer halo) still needs the
+        product's empty output for its next exchange, so it runs one zero row
+        appended to its zero real rows and keeps none. The row is appended, not
+        made alone: the output must still depend on this layer's input, or
+        backward would skip the exchanges before it on this rank only.
+        """
+        if n_out == 0:
+
+            def one_row(rows: torch.Tensor) -> torch.Tensor:
+                return torch.cat([rows[:0], rows.new_zeros((1, *rows.shape[1:]))])
+
+            sc = None if sc is None else one_row(sc)
+            return product(
+                node_feats=one_row(node_feats), sc=sc, node_attrs=one_row(node_attrs)
+            )[:0]
+        return product(
+            node_feats=node_feats[:n_out],
+            sc=None if sc is None else sc[:n_out],
+            node_attrs=node_attrs[:n_out],
+        )
 
     def _energy_dtype(self, vectors: torch.Tensor) -> torch.dtype:
         return torch.float64 if self.scale_shift else vectors.dtype
