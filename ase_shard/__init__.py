@@ -13,6 +13,9 @@ _LAZY = {
     "CollectiveError": "ase_shard.comm",
     "LocalGraph": "ase_shard.graph",
     "ShardModel": "ase_shard.graph",
+    "DistributedAtoms": "ase_shard.distributed",
+    "distribute": "ase_shard.distributed",
+    "gather": "ase_shard.distributed",
     "serve": "ase_shard.worker",
     "spawn": "ase_shard.worker",
 }
@@ -34,9 +37,12 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "CollectiveError",
+    "DistributedAtoms",
     "LocalGraph",
     "ShardModel",
     "ShardedCalculator",
+    "distribute",
+    "gather",
     "serve",
     "spawn",
 ]

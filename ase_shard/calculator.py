@@ -49,7 +49,7 @@ from ase_shard.padding import Capacities, CompiledModel
 from ase_shard.placement import checked_dtype, place_rank, placed
 from ase_shard.reuse import displacement_reason, forced_rebuild
 from ase_shard.settings import Settings, checked_timeout, rank_grid
-from ase_shard.system import changed_fields, validate_cell, validate_positions
+from ase_shard.system import changed_fields, validate_cell, validate_rows
 from ase_shard.timing import PhaseTimer
 
 logger = logging.getLogger(__name__)
@@ -373,7 +373,9 @@ class ShardedCalculator(Calculator):
         self._copies.append(atoms)
         if self.inputs:
             self._inputs_digest = self.inputs.digest(atoms, self.parameters)
-        request = self._request(atoms, properties, system_changes)
+        request = Request.of(
+            atoms, properties, system_changes, self.inputs, self.parameters, self.comm.rank
+        )
         if self._driving:
             self.comm.bcast((CALCULATE, request))
         elif not self._met:
@@ -419,25 +421,6 @@ class ShardedCalculator(Calculator):
             results["node_energy"] = results["energies"] - reference(atoms.numbers)
         return results
 
-    def _request(self, atoms: Atoms, properties, system_changes) -> Request:
-        """What this call needs, from the rank(s) holding ``atoms``; never raises."""
-        request = Request(
-            n_atoms=atoms.get_global_number_of_atoms(),
-            cell=atoms.cell.array.copy(),
-            pbc=atoms.pbc.copy(),
-            changed=bool({"numbers", "pbc"} & set(system_changes)),
-            properties=tuple(properties),
-            has_stress=atoms.cell.rank == 3,
-        )
-        if self.inputs:
-            try:
-                shapes = self.inputs.per_atom_arrays(atoms)
-                request.input_shapes = {k: list(v.shape[1:]) for k, v in shapes.items()}
-                request.system = self.inputs.system_values(atoms, self.parameters)
-            except Exception as exc:
-                request.failure = Failure.of(exc, self.comm.rank)
-        return request
-
     # -- 2. the vote -------------------------------------------------------------------
 
     def _agree(
@@ -465,7 +448,7 @@ class ShardedCalculator(Calculator):
             if reason is not None or deformation is not None:
                 validate_cell(request.cell, request.pbc)  # else the build's cell, checked then
             if rows is not None:
-                self._validate_rows(rows, request)
+                validate_rows(rows, layout.state.rows, request.input_shapes)
                 own_reason = displacement_reason(
                     layout.state, rows[:, :3], deformation, self.settings.halo_reach, self.skin
                 )
@@ -476,18 +459,6 @@ class ShardedCalculator(Calculator):
         views = self.comm.share(own, failed=layout.failure(request))
         reason = next((view[0] for view in views if view[0] is not None), None)
         return layout.settle([view[1] for view in views], request, reason, self._copies)
-
-    def _validate_rows(self, rows: np.ndarray, request: Request) -> None:
-        """Finite positions and inputs of this rank's owned atoms."""
-        layout_rows = self.layout.state.rows
-        n_owned = layout_rows.n_owned
-        validate_positions(rows[:n_owned, :3], layout_rows.ids[:n_owned])
-        finite = np.isfinite(rows[:n_owned, 3:]).all(axis=0)
-        if not finite.all():
-            shapes = request.input_shapes
-            widths = [int(np.prod(shape, dtype=np.int64)) for shape in shapes.values()]
-            names = np.repeat(np.array(list(shapes), dtype=object), widths)
-            raise ValueError(f"per-atom model inputs {sorted(set(names[~finite]))} are not finite")
 
     # -- 3. rebuild --------------------------------------------------------------------
 
@@ -503,7 +474,7 @@ class ShardedCalculator(Calculator):
         state.owned_positions = rows[: state.rows.n_owned, :3].copy()
 
         def own_block() -> tuple[tuple[int, ...], Capacities]:
-            self._validate_rows(rows, request)
+            validate_rows(rows, state.rows, request.input_shapes)
             self._block = self._new_block(state, rows, request)
             planned = state.rows
             counts = (len(planned.ids), planned.n_owned, planned.n_nodes, len(planned.send_index))

@@ -61,7 +61,7 @@ from ase_shard.presets import (
 # choices spelled out here, not imported, so that parsing needs no torch;
 # tests/test_cli_start.py checks them against the modules that define them
 PEERS = ("lammps", "asap3", "torchsim")  # ase_shard.peers.PEERS
-HALOS = ("layer", "full")  # ase_shard.calculator.HALOS
+HALOS = ("layer", "full")  # ase_shard.settings.HALOS
 PARTITIONS = ("spatial", "contiguous")  # ase_shard.partition.PARTITIONS
 DTYPES = ("float64", "float32")
 ENSEMBLES = ("nve", "langevin", "nvt-berendsen", "npt-berendsen")

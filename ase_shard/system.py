@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 from ase import Atoms
 from ase.calculators.calculator import compare_atoms
 from ase.data import chemical_symbols
+
+if TYPE_CHECKING:
+    from ase_shard.halo import RankRows
 
 FINGERPRINT_FIELDS = ("number of atoms", "numbers", "positions", "cell", "pbc")
 
@@ -51,6 +55,23 @@ def validate_positions(positions: np.ndarray, ids: np.ndarray | None = None) -> 
             f"positions of {len(bad)} atom(s) are not finite (first: atom {first}: "
             f"{positions[bad[0]].tolist()})"
         )
+
+
+def validate_rows(
+    rows: np.ndarray, layout: RankRows, input_shapes: dict[str, list[int]]
+) -> None:
+    """Raise ``ValueError`` unless this rank's owned node rows are finite.
+
+    ``rows`` are node rows (position in Å, then the packed per-atom inputs of
+    ``input_shapes``); ``layout`` the rank's rows (its owned atoms' ids name them).
+    """
+    n_owned = layout.n_owned
+    validate_positions(rows[:n_owned, :3], layout.ids[:n_owned])
+    finite = np.isfinite(rows[:n_owned, 3:]).all(axis=0)
+    if not finite.all():
+        widths = [int(np.prod(shape, dtype=np.int64)) for shape in input_shapes.values()]
+        names = np.repeat(np.array(list(input_shapes), dtype=object), widths)
+        raise ValueError(f"per-atom model inputs {sorted(set(names[~finite]))} are not finite")
 
 
 def validate_numbers(numbers: np.ndarray, atomic_types: Sequence[int] | None) -> None:

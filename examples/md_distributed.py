@@ -24,9 +24,8 @@ from ase.md import MDLogger
 from ase.md.velocitydistribution import Stationary, thermalize_momenta
 from ase.parallel import DummyMPI, parprint
 
-from ase_shard import ShardedCalculator
+from ase_shard import ShardedCalculator, distribute
 from ase_shard.comm import Comm
-from ase_shard.distributed import distribute
 from ase_shard.dynamics import Langevin
 from ase_shard.io import Trajectory
 from ase_shard.models import EMT

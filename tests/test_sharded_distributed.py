@@ -241,3 +241,13 @@ def test_stationary_removes_the_total_momentum_of_all_ranks() -> None:
         Stationary(atoms)
         np.testing.assert_allclose(whole.get_momenta(), atoms.get_momenta(), atol=1e-12)
         assert np.abs(whole.get_momenta().sum(axis=0)).max() < 1e-10
+
+
+def test_distribute_and_gather_are_top_level_names() -> None:
+    """Where users look for them, as for ``ShardedCalculator`` (one object, not a copy)."""
+    import ase_shard
+    import ase_shard.distributed as distributed
+
+    assert ase_shard.distribute is distributed.distribute
+    assert ase_shard.gather is distributed.gather
+    assert ase_shard.DistributedAtoms is distributed.DistributedAtoms

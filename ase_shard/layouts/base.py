@@ -20,6 +20,7 @@ rebuilds, :meth:`Layout.with_ghosts`, then :meth:`Layout.finish`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -88,6 +89,35 @@ class Request:
     input_shapes: dict[str, list[int]] = field(default_factory=dict)
     system: dict[str, list] = field(default_factory=dict)
     failure: Failure | None = None
+
+    @classmethod
+    def of(
+        cls,
+        atoms: Atoms,
+        properties: Sequence[str],
+        system_changes: Sequence[str],
+        inputs: ModelInputs,
+        parameters: Mapping,
+        rank: int,
+    ) -> Request:
+        """What a calculation of ``atoms`` needs (on the rank(s) holding them); never
+        raises: inputs that cannot be read are this ``rank``'s :attr:`failure`."""
+        request = cls(
+            n_atoms=atoms.get_global_number_of_atoms(),
+            cell=atoms.cell.array.copy(),
+            pbc=atoms.pbc.copy(),
+            changed=bool({"numbers", "pbc"} & set(system_changes)),
+            properties=tuple(properties),
+            has_stress=atoms.cell.rank == 3,
+        )
+        if inputs:
+            try:
+                shapes = inputs.per_atom_arrays(atoms)
+                request.input_shapes = {k: list(v.shape[1:]) for k, v in shapes.items()}
+                request.system = inputs.system_values(atoms, parameters)
+            except Exception as exc:
+                request.failure = Failure.of(exc, rank)
+        return request
 
     @property
     def row_width(self) -> int:
