@@ -98,6 +98,7 @@ class Syncs:
     events: list[Sync] = field(default_factory=list)
     pending: bool = False  # kernels queued since the last wait
     quiet: int = 0  # inside an operation whose syncs happen on a CPU only
+    received_bytes: int = 0  # from other ranks, in the step :func:`reuse_step` counted
     _host: dict[int, torch.Tensor] = field(default_factory=dict)  # data pointer -> tensor
 
     def record(self, what: str) -> None:
@@ -293,8 +294,10 @@ def reuse_step(atoms, move: float = 0.02, seed: int = 0) -> Syncs:
     rng = np.random.default_rng(seed)
     for _ in range(2):
         atoms.positions = atoms.positions + rng.uniform(-move, move, atoms.positions.shape)
+        received = atoms.calc.comm.received_bytes
         with count_syncs() as syncs:
             atoms.get_forces()
+    syncs.received_bytes = atoms.calc.comm.received_bytes - received
     assert atoms.calc.rebuilds == rebuilds, "the counted step rebuilt the layout"
     return syncs
 
