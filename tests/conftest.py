@@ -38,6 +38,7 @@ ALLOWED_SKIPS = {
     "CUDA only": re.compile(r"needs (a )?CUDA( device| and CUDA-aware MPI)?$"),
     "under mpirun only": re.compile(
         r"one rank: the kernel exchanges nothing$|needs a communicator smaller than the atoms'$"
+        r"|need --with-mpi option to run$"  # pytest-mpi: @pytest.mark.mpi in a serial run
     ),
     # tests/test_peers.py: a system MPICH on the loader's path leaves nothing to check
     "system MPICH": re.compile(r"libmpi\.so\.12 is on the loader's path$"),
