@@ -28,6 +28,12 @@ from ase_shard.timing import PhaseTimer
 
 # Rows of the per-node result: energy, force (3), virial Voigt (6).
 RESULT_COLUMNS = 10
+
+# Å: atoms closer than this are one point, whatever min_distance says. Their edge
+# vector is round-off (its direction meaningless) or zero (NaN forces), so a model
+# returns NaN or a finite answer that means nothing. Nuclei are ~1e-5 Å across; the
+# closest contacts of real optimisations and MD (~0.2 Å) are far above it.
+COINCIDENT_DISTANCE = 1e-4
 _VOIGT = ((0, 0), (1, 1), (2, 2), (1, 2), (0, 2), (0, 1))
 
 
@@ -220,7 +226,8 @@ class LocalBlock:
         The compiled model; it is given graphs padded to :meth:`pad`'s capacities.
     min_distance : float
         Å; :meth:`evaluate` raises ``ValueError`` for a pair of atoms closer
-        than this (only pairs within the model's cutoff are seen; 0: no check).
+        than this, or than :data:`COINCIDENT_DISTANCE` (only pairs within the
+        model's cutoff are seen).
     neighbor_list : {"auto", "numba", "vesin", "torch"}
         The neighbour search (see :func:`ase_shard.neighbors.neighbor_pairs`).
     pair_halo : HaloExchange, optional
@@ -259,7 +266,7 @@ class LocalBlock:
         self.exchange = exchange
         self.compiled = compiled
         # pairs beyond the cutoff may be missing from the list on reuse steps
-        self.min_distance = min(float(min_distance), float(model.cutoff))
+        self.min_distance = min(max(float(min_distance), COINCIDENT_DISTANCE), float(model.cutoff))
         self.capacity: Capacities | None = None
         self._shift_cell: np.ndarray | None = None  # cell of the cached offsets
         self._result: torch.Tensor | None = None
@@ -582,7 +589,12 @@ class LocalBlock:
         return vectors
 
     def _check_distances(self, positions: torch.Tensor, cell: np.ndarray) -> None:
-        """Raise ``ValueError`` naming the closest pair closer than ``min_distance``."""
+        """Raise ``ValueError`` naming the closest pair closer than ``min_distance``.
+
+        The message says whether the pair is coincident (closer than
+        :data:`COINCIDENT_DISTANCE`, always refused) or closer than a
+        ``min_distance`` the caller asked for.
+        """
         distance = torch.linalg.vector_norm(self._edge_vectors(positions, cell), dim=1)
         close = (distance < self.min_distance).nonzero().squeeze(1)
         if not len(close):
@@ -592,11 +604,19 @@ class LocalBlock:
         first = distance[close].argmin().item()
         a, b = sorted(ends[:, first].tolist())
         who = f"atom {a} and its periodic image" if a == b else f"atoms {a} and {b}"
+        closest = distance[close[first]].item()
+        how_many = f"({pairs.shape[1]} pair(s) that close)"
+        if self.min_distance <= COINCIDENT_DISTANCE:
+            raise ValueError(
+                f"{who} are {closest:.2g} Å apart: coincident atoms (closer than "
+                f"{COINCIDENT_DISTANCE:g} Å) {how_many}, e.g. an atom added twice; no "
+                "potential is defined there"
+            )
         raise ValueError(
-            f"{who} are {distance[close[first]].item():.4f} Å apart, closer than min_distance="
-            f"{self.min_distance:g} Å ({pairs.shape[1]} pair(s) that close): overlapping "
-            "atoms, or a run that blew up; pass min_distance=0 to ShardedCalculator to "
-            "allow it"
+            f"{who} are {closest:.4f} Å apart, closer than min_distance="
+            f"{self.min_distance:g} Å {how_many}: "
+            "overlapping atoms, or a run that blew up; pass min_distance=0 to "
+            "ShardedCalculator to allow it"
         )
 
     def _upload(self, values: dict | None) -> dict[str, torch.Tensor]:

@@ -60,6 +60,7 @@ from ase_shard.partition import (
     grid_for_extent,
     spatial_owners,
 )
+from ase_shard.summation import compensated_row_sums, exact_total
 from ase_shard.system import (
     check_slices,
     checksum,
@@ -170,6 +171,12 @@ def checked_device(device: Any) -> torch.device:
 
 # per-atom results and their columns in the block's rows
 _PER_ATOM = (("energies", [0]), ("forces", [1, 2, 3]), ("stresses", [4, 5, 6, 7, 8, 9]))
+# what every calculation returns, asked for or not, as ASE's EMT, LennardJones and
+# MorsePotential do (ASE's tools read calc.results after an energy call); the per-atom
+# stresses travel only when asked for
+_ALWAYS = ("energies", "forces")
+# the block's rows summed into the totals: energy, virial (Voigt)
+_TOTALS = [0, 4, 5, 6, 7, 8, 9]
 
 
 @dataclass
@@ -365,9 +372,11 @@ class ShardedCalculator(Calculator):
         end the job instead of hanging it. ``None`` waits forever.
     min_distance : float
         Å. Two atoms closer than this (within the model's cutoff) raise a
-        ``ValueError`` on every rank naming them: overlapping atoms in a
-        structure, or an MD run that blew up. The default, 0.5 Å, is below
-        every bond (H2: 0.74 Å); 0 turns the check off.
+        ``ValueError`` on every rank naming them: a stricter check for
+        overlapping atoms in a structure, or an MD run that blew up (0.5 Å is
+        below every bond, H2: 0.74 Å). Off by default, as in ASE: a close
+        contact is the model's to evaluate. Coincident atoms (closer than
+        :data:`ase_shard.block.COINCIDENT_DISTANCE`, 1e-4 Å) always raise.
     neighbor_list : {"auto", "numba", "vesin", "torch"}
         The local neighbour search at rebuilds: ``numba`` (a compiled cell
         list, CPU), ``vesin`` (CPU), ``torch`` (a cell list that stays on the
@@ -394,7 +403,7 @@ class ShardedCalculator(Calculator):
         halo: str | None = None,
         compile: bool | str = False,
         timeout: float | None = 600.0,
-        min_distance: float = 0.5,
+        min_distance: float = 0.0,
         neighbor_list: str = "auto",
         **kwargs,
     ):
@@ -484,6 +493,8 @@ class ShardedCalculator(Calculator):
         # the last calculation's Atoms were DistributedAtoms (each rank holds its own)
         self._distributed = False
         self.inputs = ModelInputs.of(model)
+        if hasattr(self.model, "reference_energies"):
+            self.implemented_properties = [*self.implemented_properties, "node_energy"]
         self._inputs_digest: bytes | None = None  # of the inputs last calculated
 
     @property
@@ -1205,30 +1216,31 @@ class ShardedCalculator(Calculator):
 
         ``columns`` is the block's ``(10, n_nodes)`` result. Energy and virial
         are summed per rank, then over the ranks in rank order, so every rank
-        gets the same bits. Per-atom results travel only when ASE asked for
-        them (to every rank under SPMD, to rank 0 in worker mode).
+        gets the same bits. Per-atom energies and forces always travel, as
+        ASE's own calculators return them from any call; per-atom stresses
+        only when asked for (to every rank under SPMD, to rank 0 in worker mode).
         """
         comm = self.comm
-        # ghosts' shares of energy (a pair taken once) and virial count towards the total
-        partial = np.concatenate([columns[0].sum(keepdims=True), columns[4:].sum(axis=1)])
+        # ghosts' shares of energy (a pair taken once) and virial count towards the total;
+        # compensated sums, added exactly over the ranks: the totals do not depend on the
+        # order of the atoms, the cell or the number of ranks
+        partial = compensated_row_sums(columns[_TOTALS])
         wanted = [
             (name, rows)
             for name, rows in _PER_ATOM
-            if name in request.properties and (name != "stresses" or request.has_stress)
+            if name in _ALWAYS or (name in request.properties and request.has_stress)
         ]
         collect = comm.gather_rows if self._driven else comm.allgather_rows
         totals = collect(partial[None], np.ones(comm.size, dtype=np.int64))
-        values = None
-        if wanted:
-            selected = columns[[row for _, rows in wanted for row in rows]]  # a copy: added to
-            owned = state.exchange.sum_into_owned_columns(selected)
-            # distributed atoms keep their own results, in their own order
-            values = owned.T if self._distributed else collect(
-                np.ascontiguousarray(owned.T), state.counts[:, 1]
-            )
+        selected = columns[[row for _, rows in wanted for row in rows]]  # a copy: added to
+        owned = state.exchange.sum_into_owned_columns(selected)
+        # distributed atoms keep their own results, in their own order
+        values = owned.T if self._distributed else collect(
+            np.ascontiguousarray(owned.T), state.counts[:, 1]
+        )
         if atoms is None:
             return
-        totals = totals.sum(axis=0)
+        totals = exact_total(totals)
         self.results["energy"] = self.results["free_energy"] = float(totals[0])
         if request.has_stress:
             self.results["stress"] = totals[1:] / atoms.get_volume()
@@ -1244,6 +1256,10 @@ class ShardedCalculator(Calculator):
             if name == "stresses":
                 result /= atoms.get_volume()
             self.results[name] = result[:, 0] if name == "energies" else result
+        reference = getattr(self.model, "reference_energies", None)
+        if reference is not None:
+            # per-atom energies less the isolated atoms' (MACE's node_energy)
+            self.results["node_energy"] = self.results["energies"] - reference(atoms.numbers)
 
     def _count_compile_fallbacks(self) -> None:
         """Warn when torch.compile gave up on part of the model (it then runs eagerly)."""

@@ -26,13 +26,12 @@ import argparse
 import importlib
 import importlib.metadata
 import importlib.util
+import math
 import os
 import platform
 import socket
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 import ase_shard  # first: under a launcher it initialises MPI before ASE picks its world
@@ -44,108 +43,65 @@ from ase.parallel import parprint, world
 if TYPE_CHECKING:
     from ase import Atoms
 
+from ase_shard.presets import (
+    ADAPTER_PACKAGES,
+    BENCH_MODELS,
+    BUILTIN_MODELS,
+    MODEL_FILES,
+    NO_EDGE,
+    SEVENN_CHECKPOINTS,
+    SYSTEMS,
+    CLIError,
+    ModelSpec,
+    load_system,
+    resolve_model,
+    shipped_checkpoints,
+)
+
 # choices spelled out here, not imported, so that parsing needs no torch;
-# tests/test_cli_models.py checks them against the modules that define them
-BUILTIN_MODELS = ("emt", "lj", "morse")
-BENCH_MODELS = ("sevennet", "mace", "nequip")  # random-weight models of ase_shard.bench
-NO_EDGE = "no-edge"  # ase_shard.bench.NO_EDGE
+# tests/test_cli_start.py checks them against the modules that define them
 PEERS = ("lammps", "asap3", "torchsim")  # ase_shard.peers.PEERS
 HALOS = ("layer", "full")  # ase_shard.calculator.HALOS
 PARTITIONS = ("spatial", "contiguous")  # ase_shard.partition.PARTITIONS
 DTYPES = ("float64", "float32")
 ENSEMBLES = ("nve", "langevin", "nvt-berendsen", "npt-berendsen")
 
-# SevenNet's pretrained checkpoints by sevenn's names (sevenn._const), relative to
-# sevenn/pretrained_potentials or ~/.cache/sevennet; only those found there are
-# offered, because sevenn would download the others
-SEVENN_CHECKPOINTS = {
-    "7net-0": "SevenNet_0__11Jul2024/checkpoint_sevennet_0.pth",
-    "7net-0_22may2024": "SevenNet_0__22May2024/checkpoint_sevennet_0.pth",
-    "7net-l3i5": "SevenNet_l3i5/checkpoint_l3i5.pth",
-    "7net-mf-0": "SevenNet_MF_0/checkpoint_sevennet_mf_0.pth",
-    "7net-mf-ompa": "SevenNet_MF_ompa/checkpoint_sevennet_mf_ompa.pth",
-    "7net-omat": "SevenNet_omat/checkpoint_sevennet_omat.pth",
-    "7net-omni": "SevenNet_omni/checkpoint_sevennet_omni.pth",
-    "7net-omni-i8": "SevenNet_omni_i8/checkpoint_sevennet_omni_i8.pth",
-    "7net-omni-i12": "SevenNet_omni_i12/checkpoint_sevennet_omni_i12.pth",
-}
-# model files by name ending -> (adapter kind, what the file is)
-MODEL_FILES = {
-    ".pth": ("sevenn", "SevenNet checkpoint"),
-    ".model": ("mace", "MACE model"),
-    ".nequip.zip": ("nequip", "NequIP/Allegro package"),
-    ".ckpt": ("nequip", "NequIP/Allegro checkpoint"),
-}
-# adapter kind -> (module it imports, its distribution)
-ADAPTER_PACKAGES = {
-    "sevenn": ("sevenn", "sevenn"),
-    "mace": ("mace", "mace-torch"),
-    "nequip": ("nequip", "nequip"),
-}
-# fcc argon at the density of the liquid near its boiling point, 1.40 g/cm³
-ARGON_LIQUID_A = 5.74
-
-
-class CLIError(Exception):
-    """A user error: reported as one line, exit code 2."""
-
 
 @dataclass(frozen=True)
-class ModelSpec:
-    """A resolved ``--model``: ``kind`` is ``builtin``, ``bench`` (random weights),
-    ``sevenn``, ``mace`` or ``nequip``; ``source`` the name or the file path."""
+class Number:
+    """An argparse ``type`` for a numeric option: a ``kind`` (int or float) that is
+    finite and at least ``minimum`` (above it, with ``strict``). argparse reports a
+    refusal as ``argument --OPTION: must be ..., not 'VALUE'`` and exits with status 2,
+    before anything runs."""
 
-    kind: str
-    source: str
-    label: str
+    kind: type
+    minimum: float | None = None
+    strict: bool = False
 
+    def __call__(self, text: str) -> int | float:
+        try:
+            value = self.kind(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or (self.minimum is not None and not self._above(value)):
+            raise argparse.ArgumentTypeError(f"must be {self}, not {text!r}")
+        return value
 
-@dataclass(frozen=True)
-class Defaults:
-    """What suits a kind of system when the command line does not say."""
+    def _above(self, value: float) -> bool:
+        return value > self.minimum if self.strict else value >= self.minimum
 
-    model: str
-    temperature: float  # K
-    compressibility: float  # 1/bar, for the Berendsen barostat
-
-
-@dataclass(frozen=True)
-class System:
-    """A built-in system: ``build(size, seed)``, its default size and defaults."""
-
-    build: Callable[[int, int], Atoms]
-    size: int
-    size_help: str
-    defaults: Defaults
-
-
-def _cu_bulk(size: int, seed: int) -> Atoms:
-    from ase.build import bulk
-
-    return bulk("Cu", "fcc", a=3.61, cubic=True).repeat(size)
+    def __str__(self) -> str:
+        what = "an integer" if self.kind is int else "a finite number"
+        if self.minimum is None:
+            return what
+        return f"{what} {'>' if self.strict else '>='} {self.minimum:g}"
 
 
-def _cu_cluster(size: int, seed: int) -> Atoms:
-    from ase.cluster import Icosahedron
-
-    return Icosahedron("Cu", noshells=size, latticeconstant=3.61)
-
-
-def _ar_liquid(size: int, seed: int) -> Atoms:
-    from ase.build import bulk
-
-    atoms = bulk("Ar", "fcc", a=ARGON_LIQUID_A, cubic=True).repeat(size)
-    atoms.rattle(stdev=0.2, seed=seed)
-    return atoms
-
-
-COPPER = Defaults("emt", 300.0, 7e-7)
-SYSTEMS = {
-    "cu-bulk": System(_cu_bulk, 10, "4 N^3 atoms of fcc Cu", COPPER),
-    "cu-cluster": System(_cu_cluster, 11, "Cu icosahedron of N shells", COPPER),
-    "ar-liquid": System(_ar_liquid, 10, "4 N^3 Ar atoms", Defaults("lj", 180.0, 2e-4)),
-}
-FILE_DEFAULTS = COPPER  # EMT, 300 K, a metal's compressibility
+FINITE = Number(float)
+POSITIVE = Number(float, 0, strict=True)
+NON_NEGATIVE = Number(float, 0)
+POSITIVE_INT = Number(int, 1)
+NON_NEGATIVE_INT = Number(int, 0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,61 +150,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ----------------------------------------------------------------------------- models
-
-
-def sevenn_directory() -> Path | None:
-    """sevenn's ``pretrained_potentials`` directory, found without importing sevenn."""
-    spec = importlib.util.find_spec("sevenn")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations))) / "pretrained_potentials"
-
-
-def shipped_checkpoints() -> dict[str, Path]:
-    """Pretrained SevenNet checkpoints present on this machine, by name."""
-    places = [sevenn_directory(), Path("~/.cache/sevennet").expanduser()]
-    found = {}
-    for name, relative in SEVENN_CHECKPOINTS.items():
-        for place in places:
-            if place is not None and (place / relative).is_file():
-                found[name] = place / relative
-                break
-    return found
-
-
-def model_choices(bench: bool = False) -> list[str]:
-    """The model names ``--model`` takes here (besides model files)."""
-    extra = [*BENCH_MODELS, NO_EDGE] if bench else []
-    return [*BUILTIN_MODELS, *extra, *shipped_checkpoints()]
-
-
-def resolve_model(name: str, bench: bool = False) -> ModelSpec:
-    """``--model NAME``: a built-in potential, a shipped checkpoint or a model file.
-
-    Raises
-    ------
-    CLIError
-        One line listing the choices, for a name that is none of these.
-    """
-    key = name.lower()  # sevenn's names are case-insensitive (7net-MF-0)
-    if key in BUILTIN_MODELS:
-        return ModelSpec("builtin", key, key)
-    if bench and key in (*BENCH_MODELS, NO_EDGE):
-        return ModelSpec("bench", key, key)
-    shipped = shipped_checkpoints()
-    if key in shipped:
-        return ModelSpec("sevenn", str(shipped[key]), key)
-    if os.path.isfile(name):
-        for ending, (kind, _) in MODEL_FILES.items():
-            if name.endswith(ending):
-                return ModelSpec(kind, name, name)
-        endings = ", ".join(f"{e} ({what})" for e, (_, what) in MODEL_FILES.items())
-        raise CLIError(f"model file {name!r}: name it after its kind: {endings}")
-    hint = " (sevenn downloads it; not available offline)" if key in SEVENN_CHECKPOINTS else ""
-    raise CLIError(
-        f"unknown model {name!r}{hint}: choose {', '.join(model_choices(bench))}, "
-        f"or a model file ({', '.join(MODEL_FILES)})"
-    )
 
 
 def _add_model_options(parser: argparse.ArgumentParser, bench: bool) -> None:
@@ -302,30 +203,33 @@ def add_md(subparsers: argparse._SubParsersAction) -> None:
         "the file are kept unless --temperature is given",
     )
     md.add_argument("--system", choices=SYSTEMS, help="built-in system (default cu-bulk)")
-    md.add_argument("--size", type=int, help="size N of the built-in system (see above)")
+    md.add_argument("--size", type=POSITIVE_INT, help="size N of the built-in system (see above)")
     md.add_argument(
         "--restart",
         metavar="TRAJ",
         help="continue from the last frame of a trajectory written by ase-shard md "
-        "(positions, momenta, cell, step, time) and append to it",
+        "(positions, momenta, cell, step, time) with the model its frames record (another "
+        "--model is refused), and append to it",
     )
     _add_model_options(md, bench=False)
     md.add_argument("--ensemble", choices=ENSEMBLES, default="nve", help="default nve")
-    md.add_argument("--steps", type=int, default=100, help="MD steps (default 100)")
-    md.add_argument("--timestep", type=float, default=2.0, help="fs (default 2)")
+    md.add_argument("--steps", type=NON_NEGATIVE_INT, default=100, help="MD steps (default 100)")
+    md.add_argument("--timestep", type=POSITIVE, default=2.0, help="fs (default 2)")
     md.add_argument(
         "--temperature",
-        type=float,
+        type=NON_NEGATIVE,
         help="K: thermostat target, and initial Maxwell-Boltzmann momenta rescaled so that "
         "the run starts at exactly this temperature (default: the system's; 300 K for files)",
     )
-    md.add_argument("--seed", type=int, default=42, help="random seed (default 42)")
-    md.add_argument("--friction", type=float, default=0.01, help="Langevin, 1/fs (0.01)")
-    md.add_argument("--taut", type=float, default=100.0, help="Berendsen T coupling, fs (100)")
-    md.add_argument("--taup", type=float, default=1000.0, help="Berendsen P coupling, fs (1000)")
-    md.add_argument("--pressure", type=float, default=1.0, help="npt-berendsen, bar (1)")
+    md.add_argument("--seed", type=NON_NEGATIVE_INT, default=42, help="random seed (default 42)")
+    md.add_argument("--friction", type=NON_NEGATIVE, default=0.01, help="Langevin, 1/fs (0.01)")
+    md.add_argument("--taut", type=POSITIVE, default=100.0, help="Berendsen T coupling, fs (100)")
     md.add_argument(
-        "--compressibility", type=float, help="npt-berendsen, 1/bar (default: the system's)"
+        "--taup", type=POSITIVE, default=1000.0, help="Berendsen P coupling, fs (1000)"
+    )
+    md.add_argument("--pressure", type=FINITE, default=1.0, help="npt-berendsen, bar (1)")
+    md.add_argument(
+        "--compressibility", type=POSITIVE, help="npt-berendsen, 1/bar (default: the system's)"
     )
     _add_calculator_options(md)
     md.add_argument(
@@ -341,7 +245,7 @@ def add_md(subparsers: argparse._SubParsersAction) -> None:
         help="table every --interval steps ('-': stdout): step, time, energies per atom, "
         "T, and pressure and volume with npt-berendsen",
     )
-    md.add_argument("--interval", type=int, default=10, help="steps between frames (10)")
+    md.add_argument("--interval", type=POSITIVE_INT, default=10, help="steps between frames (10)")
     md.add_argument(
         "--distributed",
         action="store_true",
@@ -354,7 +258,7 @@ def add_md(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_calculator_options(parser: argparse.ArgumentParser) -> None:
     """The ShardedCalculator options ``md`` and ``bench`` share."""
-    parser.add_argument("--skin", type=float, default=0.5, help="neighbour skin, Å (0.5)")
+    parser.add_argument("--skin", type=NON_NEGATIVE, default=0.5, help="neighbour skin, Å (0.5)")
     parser.add_argument("--partition", choices=PARTITIONS, default="spatial")
     parser.add_argument(
         "--halo", choices=HALOS, help="ghost scheme (default: layer where the model supports it)"
@@ -373,8 +277,6 @@ def _add_calculator_options(parser: argparse.ArgumentParser) -> None:
 
 def run_md(args: argparse.Namespace) -> int:
     """``ase-shard md``: check the arguments, then :func:`ase_shard.md.run`."""
-    if args.steps < 0 or args.interval < 1 or args.timestep <= 0:
-        raise CLIError("--steps must be >= 0, --interval >= 1 and --timestep > 0")
     if args.restart is not None and (args.structure or args.system or args.size):
         raise CLIError("--restart continues a trajectory: give no STRUCTURE, --system or --size")
     check_system_args(args)
@@ -385,24 +287,9 @@ def run_md(args: argparse.Namespace) -> int:
 
 
 def check_system_args(args: argparse.Namespace) -> None:
-    """Refuse STRUCTURE together with ``--system``/``--size``, and a size below 1."""
+    """Refuse STRUCTURE together with ``--system``/``--size``."""
     if args.structure is not None and (args.system is not None or args.size is not None):
         raise CLIError("give a STRUCTURE file or --system/--size, not both")
-    if args.size is not None and args.size < 1:
-        raise CLIError(f"--size must be >= 1, not {args.size}")
-
-
-def load_system(args: argparse.Namespace) -> tuple[Atoms, Defaults, str]:
-    """The ``Atoms`` of STRUCTURE or ``--system`` (identical on every rank), their
-    defaults and a label; :func:`check_system_args` has checked ``args``."""
-    if args.structure is not None:
-        from ase.io import read
-
-        return read(args.structure), FILE_DEFAULTS, args.structure
-    name = args.system or "cu-bulk"
-    system = SYSTEMS[name]
-    size = system.size if args.size is None else args.size
-    return system.build(size, args.seed), system.defaults, f"{name} N={size}"
 
 
 # ----------------------------------------------------------------------------- bench
@@ -432,24 +319,36 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
     )
     bench.add_argument("structure", nargs="?", metavar="STRUCTURE", help="structure file")
     bench.add_argument("--system", choices=SYSTEMS, help="built-in system (default cu-bulk)")
-    bench.add_argument("--size", type=int, help="size N of the built-in system")
+    bench.add_argument("--size", type=POSITIVE_INT, help="size N of the built-in system")
     _add_model_options(bench, bench=True)
-    bench.add_argument("--ml-cutoff", type=float, default=5.0, help="ML models, Å (5)")
-    bench.add_argument("--ml-channels", type=int, default=32, help="ML models' width (32)")
+    bench.add_argument("--ml-cutoff", type=POSITIVE, default=5.0, help="ML models, Å (5)")
     bench.add_argument(
-        "--ml-layers", type=int, help="ML interaction layers (sevennet 3, mace 2, nequip 3)"
+        "--ml-channels", type=POSITIVE_INT, default=32, help="ML models' width (32)"
     )
-    bench.add_argument("--reuse-steps", type=int, default=5, help="timed reuse steps (5)")
-    bench.add_argument("--rebuild-steps", type=int, default=3, help="timed rebuild steps (3)")
+    bench.add_argument(
+        "--ml-layers",
+        type=POSITIVE_INT,
+        help="ML interaction layers (sevennet 3, mace 2, nequip 3)",
+    )
+    # >= 1 each for the benchmark (run_bench checks); --peer runs their sum
+    bench.add_argument(
+        "--reuse-steps", type=NON_NEGATIVE_INT, default=5, help="timed reuse steps (5)"
+    )
+    bench.add_argument(
+        "--rebuild-steps", type=NON_NEGATIVE_INT, default=3, help="timed rebuild steps (3)"
+    )
     _add_calculator_options(bench)
     bench.add_argument(
         "--threads",
-        type=int,
+        type=POSITIVE_INT,
         help="torch threads per rank (default: OMP_NUM_THREADS, else "
         "the calculator's share of the node's cores)",
     )
     bench.add_argument(
-        "--seed", type=int, default=42, help="displacements, weights, --framework momenta (42)"
+        "--seed",
+        type=NON_NEGATIVE_INT,
+        default=42,
+        help="displacements, weights, --framework momenta (42)",
     )
     bench.add_argument(
         "--ase-reference", action="store_true", help="also time ASE's own EMT/LJ/Morse"
@@ -460,7 +359,7 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
         help="on several ranks, skip ShardedCalculator on rank 0 alone",
     )
     bench.add_argument(
-        "--ceiling-seconds", type=float, default=0.5, help="length of the ceiling loop (0.5 s)"
+        "--ceiling-seconds", type=POSITIVE, default=0.5, help="length of the ceiling loop (0.5 s)"
     )
     bench.add_argument(
         "--framework",
@@ -490,17 +389,21 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     """``ase-shard bench``: measure, then rank 0 prints and writes the report."""
-    if args.threads is not None and args.threads < 1:
-        raise CLIError(f"--threads must be >= 1, not {args.threads}")
     if args.peer is not None:
         return _run_peer(args)
     if args.ase_reference and args.framework:
         raise CLIError("--ase-reference does not apply to --framework")
+    for option, value in (
+        ("--reuse-steps", args.reuse_steps),
+        ("--rebuild-steps", args.rebuild_steps),
+    ):
+        if value < 1:  # parsed as >= 0: --peer runs their sum
+            raise CLIError(f"{option} must be >= 1 (the benchmark times both kinds), not {value}")
     check_system_args(args)
     if args.model is not None:
         spec = resolve_model(args.model, bench=True)
     else:
-        spec = ModelSpec("bench", NO_EDGE, NO_EDGE) if args.framework else None
+        spec = ModelSpec("bench", NO_EDGE, NO_EDGE, NO_EDGE) if args.framework else None
     if spec is not None and spec.source == NO_EDGE and not args.framework:
         raise CLIError(f"--model {NO_EDGE} is for --framework only")
     import json
@@ -531,17 +434,14 @@ def run_bench(args: argparse.Namespace) -> int:
             "compile": args.compile,
         },
     }
-    try:
-        if args.framework:
-            settings = bench.FrameworkSettings(**steps)
-        else:
-            settings = bench.BenchSettings(
-                **steps,
-                serial_reference=not args.no_serial_reference,
-                ceiling_seconds=args.ceiling_seconds,
-            )
-    except ValueError as exc:
-        raise CLIError(str(exc)) from None
+    if args.framework:
+        settings = bench.FrameworkSettings(**steps)
+    else:
+        settings = bench.BenchSettings(
+            **steps,
+            serial_reference=not args.no_serial_reference,
+            ceiling_seconds=args.ceiling_seconds,
+        )
     mode = " --framework" if args.framework else ""
     # the summary's first line repeats the system; this one says that measuring began
     parprint(

@@ -28,8 +28,7 @@ keeps three numbers per pair taken; the second, once every atom's
 halo, the ghost ends' densities go to their owners and their ``dE/dsigma1``
 come back.
 
-Compiled on first use and cached on disk by numba (``cache=True``); this
-module is imported only by models that are evaluated through it. Divisions
+Compiled on first use and cached on disk by numba (``cache=True``). Divisions
 follow numpy's rules (``error_model="numpy"``): coincident atoms give
 non-finite numbers, which the block reports, rather than an exception here.
 """
@@ -42,17 +41,23 @@ import numba
 import numpy as np
 
 from ase_shard.graph import EdgeList
-from ase_shard.models.emt import (
-    _E0,
-    _ETA2,
-    _INV12GAMMA1,
-    _KAPPA,
-    _LAMBDA,
-    _N0,
-    _NEGHALFV0OVERGAMMA2,
-    _S0,
-    _V0,
-)
+from ase_shard.summation import add_compensated, compensated_step
+
+# The columns of EMT's parameter table, one row per atomic number
+# (``ase_shard.models.EMT`` fills it): lengths in Å, energies in eV,
+# ``EMT_N0`` in 1/Å³; the last two are derived from the others as ASE's EMT does.
+(
+    EMT_E0,
+    EMT_S0,
+    EMT_V0,
+    EMT_ETA2,
+    EMT_KAPPA,
+    EMT_LAMBDA,
+    EMT_N0,
+    EMT_INV12GAMMA1,
+    EMT_NEGHALFV0OVERGAMMA2,
+) = range(9)
+EMT_COLUMNS = 9
 
 # pair forms of :func:`pair_forces`
 LJ_SHIFTED, LJ_SMOOTH, MORSE = 0, 1, 2
@@ -108,12 +113,18 @@ def emt_forces(
     arrays = _arrays(edges)
     cutoff2, n_owned, halo = edges.cutoff**2, edges.n_owned, edges.halo
     split = halo is not None
-    sums = np.zeros((2, len(numbers)))  # the densities, the pair sums sigma2 (eV)
+    # the densities, the pair sums sigma2 (eV), and the rounding errors of both
+    # (:mod:`ase_shard.summation`): with ~80 neighbours each, plain sums were the
+    # energy's main noise
+    sums = np.zeros((4, len(numbers)))
     terms, closest = _emt_densities(
         table, rc, acut, beta, cutoff2, numbers, *arrays, n_owned, split, sums
     )
     if split:
-        halo.sum_ghost_columns(sums)
+        # a ghost's partial sums travel as one number each (not four): its owner adds
+        # them to its own compensated sums
+        sums[:2, n_owned:] += sums[2:, n_owned:]
+        halo.sum_ghost_columns(sums[:2])
     dcohesive = np.zeros((1, len(numbers)))
     _emt_energies(table, beta, numbers, sums, n_owned, out, dcohesive[0])
     if split:
@@ -192,7 +203,8 @@ def _pair_forces(  # pragma: no cover - compiled
     kind, params, cutoff2, positions, centre, neighbour, image, offsets, n_owned, split, out
 ):
     closest = np.inf
-    rows = np.zeros((positions.shape[0], 10))  # one node's sums together, as in EMT
+    # one node's sums together, as in EMT; column 10: the energy's rounding error
+    rows = np.zeros((positions.shape[0], 11))
     for e in range(centre.shape[0]):
         i, j = centre[e], neighbour[e]
         ends = _ends(i, j, n_owned, split)
@@ -215,16 +227,24 @@ def _pair_forces(  # pragma: no cover - compiled
 
 @numba.njit(cache=True, error_model="numpy", inline="always")
 def _add_node_sums(out, rows):  # pragma: no cover - compiled
-    """Node-major ``(n, 10)`` sums into the ``(10, n)`` result columns."""
+    """Node-major ``(n, 10)`` sums into the ``(10, n)`` result columns.
+
+    An eleventh column holds the rounding error of the energies (column 0).
+    """
     for node in range(rows.shape[0]):
         for k in range(10):
             out[k, node] += rows[node, k]
+        if rows.shape[1] > 10:
+            out[0, node] += rows[node, 10]
 
 
 @numba.njit(cache=True, error_model="numpy", inline="always")
 def _add_pair_end(rows, node, energy, force, virial, dx, dy, dz):  # pragma: no cover
-    """One end's energy, force ``force d`` and virial ``virial d ⊗ d`` into its sums."""
-    rows[node, 0] += energy
+    """One end's energy, force ``force d`` and virial ``virial d ⊗ d`` into its sums.
+
+    The energy is added with its rounding error into column 10.
+    """
+    rows[node, 0], rows[node, 10] = compensated_step(rows[node, 0], rows[node, 10], energy)
     rows[node, 1] += force * dx
     rows[node, 2] += force * dy
     rows[node, 3] += force * dz
@@ -253,8 +273,12 @@ def _emt_densities(  # pragma: no cover - compiled
     table, rc, acut, beta, cutoff2, numbers, positions, centre, neighbour, image, offsets,
     n_owned, split, sums,
 ):
-    """Pass 1: each node's density and pair sum into ``sums`` (2, n); per-pair terms."""
-    inverse_n0 = 1.0 / table[:, _N0]  # divisions are slow: one per element, not per edge
+    """Pass 1: each node's density and pair sum into ``sums`` (4, n); per-pair terms.
+
+    Rows 0 and 1 of ``sums`` take the densities and pair sums, rows 2 and 3
+    their rounding errors (:func:`ase_shard.summation.add_compensated`).
+    """
+    inverse_n0 = 1.0 / table[:, EMT_N0]  # divisions are slow: one per element, not per edge
     inverse_beta = 1.0 / beta
     # per edge taken: d(density w)/dr / r seen from the centre and from the
     # neighbour, and 0.5 d(pair w)/dr / r (the same seen from either end)
@@ -276,49 +300,56 @@ def _emt_densities(  # pragma: no cover - compiled
         u = math.exp(acut * (r - rc))
         w = 1.0 / (1.0 + u)
         dw = -acut * u * w * w
-        chi = table[zj, _N0] * inverse_n0[zi]
-        density = math.exp(-table[zj, _ETA2] * (r - beta * table[zj, _S0])) * chi
+        chi = table[zj, EMT_N0] * inverse_n0[zi]
+        density = math.exp(-table[zj, EMT_ETA2] * (r - beta * table[zj, EMT_S0])) * chi
         r_beta = r * inverse_beta
-        es = table[zi, _NEGHALFV0OVERGAMMA2] * chi * math.exp(
-            -table[zj, _KAPPA] * (r_beta - table[zj, _S0])
+        es = table[zi, EMT_NEGHALFV0OVERGAMMA2] * chi * math.exp(
+            -table[zj, EMT_KAPPA] * (r_beta - table[zj, EMT_S0])
         )
         if zi == zj:
             eo = es  # chi is 1
         else:
-            eo = table[zj, _NEGHALFV0OVERGAMMA2] / chi * math.exp(
-                -table[zi, _KAPPA] * (r_beta - table[zi, _S0])
+            eo = table[zj, EMT_NEGHALFV0OVERGAMMA2] / chi * math.exp(
+                -table[zi, EMT_KAPPA] * (r_beta - table[zi, EMT_S0])
             )
         pair = es + eo
-        dpair = (table[zj, _KAPPA] * es + table[zi, _KAPPA] * eo) * inverse_beta * w
-        sums[0, i] += density * w
-        sums[1, i] += pair * w
-        terms[taken, 0] = density * (dw - table[zj, _ETA2] * w) / r
+        dpair = (table[zj, EMT_KAPPA] * es + table[zi, EMT_KAPPA] * eo) * inverse_beta * w
+        add_compensated(sums, 0, i, density * w, 2)
+        add_compensated(sums, 1, i, pair * w, 3)
+        terms[taken, 0] = density * (dw - table[zj, EMT_ETA2] * w) / r
         terms[taken, 2] = 0.5 * (pair * dw - dpair) / r
         if ends == 2:
             if zi != zj:
-                density = math.exp(-table[zi, _ETA2] * (r - beta * table[zi, _S0])) / chi
-            sums[0, j] += density * w
-            sums[1, j] += pair * w
-            terms[taken, 1] = density * (dw - table[zi, _ETA2] * w) / r
+                density = math.exp(-table[zi, EMT_ETA2] * (r - beta * table[zi, EMT_S0])) / chi
+            add_compensated(sums, 0, j, density * w, 2)
+            add_compensated(sums, 1, j, pair * w, 3)
+            terms[taken, 1] = density * (dw - table[zi, EMT_ETA2] * w) / r
         taken += 1
     return terms, closest
 
 
 @numba.njit(cache=True, error_model="numpy")
 def _emt_energies(table, beta, numbers, sums, n_owned, out, dcohesive):  # pragma: no cover
-    """Each owned node's energy into ``out`` and its ``dE/dsigma1`` (none without neighbours)."""
+    """Each owned node's energy into ``out`` and its ``dE/dsigma1`` (none without neighbours).
+
+    The energy's terms (several eV each, for an energy near zero) are added
+    with their rounding errors, as are the sums they come from.
+    """
     for i in range(n_owned):
         z = numbers[i]
-        out[0, i] += 0.5 * sums[1, i] - table[z, _E0]
-        if sums[0, i] > 0.0:
-            e0, lmbda, kappa = table[z, _E0], table[z, _LAMBDA], table[z, _KAPPA]
-            scale = beta * table[z, _ETA2]
-            ds = -math.log(sums[0, i] * table[z, _INV12GAMMA1]) / scale
+        energy, error = compensated_step(0.5 * sums[1, i], 0.5 * sums[3, i], -table[z, EMT_E0])
+        density = sums[0, i] + sums[2, i]
+        if density > 0.0:
+            e0, lmbda, kappa = table[z, EMT_E0], table[z, EMT_LAMBDA], table[z, EMT_KAPPA]
+            scale = beta * table[z, EMT_ETA2]
+            ds = -math.log(density * table[z, EMT_INV12GAMMA1]) / scale
             lambda_term = math.exp(-lmbda * ds)
-            kappa_term = 6.0 * table[z, _V0] * math.exp(-kappa * ds)
-            out[0, i] += e0 * (1.0 + lmbda * ds) * lambda_term + kappa_term
+            kappa_term = 6.0 * table[z, EMT_V0] * math.exp(-kappa * ds)
+            energy, error = compensated_step(energy, error, e0 * (1.0 + lmbda * ds) * lambda_term)
+            energy, error = compensated_step(energy, error, kappa_term)
             dcohesive_dds = -e0 * lmbda * lmbda * ds * lambda_term - kappa * kappa_term
-            dcohesive[i] = -dcohesive_dds / (scale * sums[0, i])
+            dcohesive[i] = -dcohesive_dds / (scale * density)
+        out[0, i] += energy + error
 
 
 @numba.njit(cache=True, error_model="numpy")

@@ -15,7 +15,9 @@ Output
   to), one frame every ``--interval`` steps, appended as it is made. Each
   frame holds positions, momenta, cell, the energy and forces (and stress
   when the dynamics computed it) and, in ``atoms.info``, ``md_step`` and
-  ``md_time_fs``, which ``--restart`` reads.
+  ``md_time_fs`` and the physics of the run (:class:`Physics`: the model,
+  its parameters, the modality, the target temperature and compressibility),
+  which ``--restart`` reads: a restart runs the same model or refuses.
 - Log (``--log``): a table every ``--interval`` steps; energies per atom.
 
 With ``--distributed`` the ranks split the atoms after the momenta are drawn
@@ -49,7 +51,7 @@ from ase.calculators.lj import LennardJones as AseLennardJones
 from ase.calculators.morse import MorsePotential as AseMorse
 from ase.calculators.singlepoint import SinglePointCalculator
 from ase.constraints import FixCom
-from ase.io import Trajectory, read, write
+from ase.io import Trajectory, write
 from ase.io.formats import filetype, ioformats
 from ase.md.langevin import Langevin
 from ase.md.md import MolecularDynamics
@@ -60,10 +62,19 @@ from ase.md.verlet import VelocityVerlet
 from ase.parallel import parprint, world
 
 from ase_shard.calculator import ShardedCalculator
-from ase_shard.cli import FILE_DEFAULTS, CLIError, Defaults, ModelSpec, load_system, resolve_model
 from ase_shard.comm import Comm
 from ase_shard.distributed import GLOBAL_ID, DistributedAtoms, distribute
 from ase_shard.models import EMT, LennardJones, Morse
+from ase_shard.presets import (
+    FILE_DEFAULTS,
+    CLIError,
+    Defaults,
+    ModelSpec,
+    load_system,
+    read_structure,
+    resolve_model,
+    same_model,
+)
 
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "emt": EMT,
@@ -101,6 +112,11 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report an interrupted command
 
 STEP_KEY = "md_step"  # atoms.info of each frame: the MD step ...
 TIME_KEY = "md_time_fs"  # ... and the simulated time, fs
+MODEL_KEY = "md_model"  # ... and the run's Physics
+PARAMETERS_KEY = "md_model_parameters"
+MODALITY_KEY = "md_modality"
+TEMPERATURE_KEY = "md_temperature_K"
+COMPRESSIBILITY_KEY = "md_compressibility_per_bar"
 
 
 class Unstable(Exception):
@@ -115,6 +131,64 @@ class Start:
     time_fs: float = 0.0
 
 
+@dataclass(frozen=True)
+class Physics:
+    """What every frame records (in ``atoms.info``) of the run that wrote it, so that
+    ``--restart`` runs the same model and keeps the settings the command line left out.
+
+    Attributes
+    ----------
+    model : str
+        The ``--model`` value that finds the model again (:attr:`ModelSpec.argument`).
+    parameters : str
+        A built-in potential's parameters (``"epsilon=0.35, r0=2.55, rho0=4.0"``);
+        empty for EMT and model files.
+    modality : str or None
+        ``--modality``.
+    temperature : float
+        K: the thermostat's target (and the initial draw's).
+    compressibility : float
+        1/bar: the barostat's.
+    """
+
+    model: str
+    parameters: str
+    modality: str | None
+    temperature: float
+    compressibility: float
+
+    def info(self) -> dict[str, str | float]:
+        """The ``atoms.info`` entries. Empty strings are left out: extended XYZ
+        cannot hold them."""
+        entries = {
+            MODEL_KEY: self.model,
+            PARAMETERS_KEY: self.parameters,
+            MODALITY_KEY: self.modality or "",
+            TEMPERATURE_KEY: self.temperature,
+            COMPRESSIBILITY_KEY: self.compressibility,
+        }
+        return {key: value for key, value in entries.items() if value != ""}
+
+    @classmethod
+    def from_info(cls, info: dict) -> Physics | None:
+        """The record in a frame's ``atoms.info``; ``None`` for a frame without one."""
+        if MODEL_KEY not in info:
+            return None
+        modality = info.get(MODALITY_KEY)
+        return cls(
+            model=str(info[MODEL_KEY]),
+            parameters=str(info.get(PARAMETERS_KEY, "")),
+            modality=None if modality is None else str(modality),
+            temperature=float(info[TEMPERATURE_KEY]),
+            compressibility=float(info[COMPRESSIBILITY_KEY]),
+        )
+
+    @property
+    def defaults(self) -> Defaults:
+        """The defaults of a run that continues this one."""
+        return Defaults(self.model, self.temperature, self.compressibility)
+
+
 def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
     """``ase-shard md`` on this rank; returns the exit code (see :func:`ase_shard.cli.main`)."""
     writer_path = args.trajectory or args.restart
@@ -124,22 +198,34 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
             f"--distributed runs {' and '.join(DISTRIBUTED_ENSEMBLES)}, not {args.ensemble}: "
             "the Berendsen integrators' centre-of-mass fix sums each rank's atoms only"
         )
+    modality = args.modality
     if args.restart is not None:
-        atoms, start = read_restart(args.restart)
-        defaults, label = FILE_DEFAULTS, f"{args.restart} from step {start.step}"
+        atoms, start, recorded = read_restart(args.restart)
+        spec, modality = restart_model(args.restart, recorded, spec, modality)
+        defaults = FILE_DEFAULTS if recorded is None else recorded.defaults
+        label = f"{args.restart} from step {start.step}"
     else:
         (atoms, defaults, label), start = load_system(args), Start()
-    spec = spec or resolve_model(defaults.model)
+        spec = spec or resolve_model(defaults.model)
     target = defaults.temperature if args.temperature is None else args.temperature
+    physics = Physics(
+        model=spec.argument,
+        parameters=model_parameters(spec),
+        modality=modality,
+        temperature=target,
+        compressibility=(
+            defaults.compressibility if args.compressibility is None else args.compressibility
+        ),
+    )
     rng = np.random.default_rng(args.seed)  # the same numbers on every rank
     draw = args.restart is None and (args.temperature is not None or not atoms.get_momenta().any())
     if draw:
         thermalise(atoms, target, rng)
     if args.distributed:
         atoms = distribute(atoms)  # every rank holds the same atoms: each keeps its share
-    calc = make_calculator(build_model(spec, args.modality), args)
+    calc = make_calculator(build_model(spec, modality), args)
     atoms.calc = calc
-    dyn = make_dynamics(atoms, args, target, defaults, rng)
+    dyn = make_dynamics(atoms, args, physics, rng)
     if draw:
         set_temperature(atoms, target)  # after the dynamics' constraints remove their dof
     dyn.nsteps = start.step  # observers run on absolute step numbers
@@ -167,18 +253,18 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
         writer = None
         if writer_path:
             append = args.restart is not None and _same_file(writer_path, args.restart)
-            writer = stack.enter_context(FrameWriter(writer_path, append))
+            writer = stack.enter_context(FrameWriter(writer_path, append, physics))
             dyn.attach(lambda: writer.write(atoms, dyn.nsteps, clock(dyn.nsteps)), args.interval)
         if args.log:
             barostat = args.ensemble == "npt-berendsen"
             logger = stack.enter_context(Logger(args.log, atoms, barostat, args.restart))
             dyn.attach(lambda: logger.write(dyn.nsteps, clock(dyn.nsteps)), args.interval)
         dyn.attach(tracker, interval=1)
+        begin = time.perf_counter()
         if start.step:  # irun calls no observer before the first step of a restart
             guard()
             tracker()
         comm = Comm()
-        begin = time.perf_counter()
         try:
             for _ in dyn.irun(args.steps):
                 if comm.any(stop.received is not None):
@@ -187,12 +273,13 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
             stack.close()
             parprint(f"ase-shard md: stopped: {exc}", file=sys.stderr, flush=True)
             return EXIT_UNSTABLE
-        wall = time.perf_counter() - begin
+        end = time.perf_counter()
         interrupted = dyn.nsteps < start.step + args.steps
         if interrupted and writer is not None and dyn.nsteps % args.interval:
             writer.write(atoms, dyn.nsteps, clock(dyn.nsteps))  # the step it stopped at
     done = dyn.nsteps - start.step
-    print_summary(atoms, done, wall, calc.rebuilds, tracker, args.ensemble)
+    timing = Timing(wall=end - begin, first_call=tracker.first_call - begin)
+    print_summary(atoms, done, timing, calc.rebuilds, tracker, args.ensemble)
     if interrupted:
         parprint(
             f"ase-shard md: interrupted at step {dyn.nsteps} of {start.step + args.steps}",
@@ -253,18 +340,72 @@ def make_calculator(model: torch.nn.Module, args: argparse.Namespace) -> Sharded
     )
 
 
-def read_restart(path: str) -> tuple[Atoms, Start]:
+def read_restart(path: str) -> tuple[Atoms, Start, Physics | None]:
     """The last frame of a trajectory written by ``ase-shard md``, without its
-    calculator and constraints, and the step and time it was written at."""
-    frame = read(path, index=-1)
+    calculator and constraints, the step and time it was written at, and the
+    physics it records (``None`` for frames of a version that recorded none)."""
+    frame = read_structure(path, "--restart")
     if STEP_KEY not in frame.info:
         raise CLIError(f"--restart {path}: its last frame has no {STEP_KEY} (not ase-shard md's)")
     start = Start(int(frame.info[STEP_KEY]), float(frame.info.get(TIME_KEY, 0.0)))
+    recorded = Physics.from_info(frame.info)
     atoms = frame.copy()
     atoms.calc = None
     atoms.constraints = []  # the dynamics adds its own (Langevin's FixCom)
     atoms.info = {}
-    return atoms, start
+    return atoms, start, recorded
+
+
+def restart_model(
+    path: str, recorded: Physics | None, spec: ModelSpec | None, modality: str | None
+) -> tuple[ModelSpec, str | None]:
+    """The model and modality of ``--restart path``: those the frames record.
+
+    ``spec`` and ``modality`` are the command line's (``None``: not given).
+
+    Raises
+    ------
+    CLIError
+        When the command line names another model or modality than the record, when
+        the recorded model is not available here or its parameters have changed, and
+        when the frames record no model and the command line names none either.
+    """
+    if recorded is None:
+        if spec is None:
+            raise CLIError(
+                f"--restart {path}: its frames do not record which model wrote them "
+                "(written before ase-shard md recorded it): give --model, the model "
+                "that wrote them"
+            )
+        return spec, modality
+    written = f"--restart {path} was written with --model {recorded.model}"
+    try:
+        model = resolve_model(recorded.model)
+    except CLIError as exc:
+        raise CLIError(f"{written}, which is not available here: {exc}") from None
+    if spec is not None and not same_model(spec, model):
+        raise CLIError(
+            f"{written}, not {spec.label}: a restart runs the model that wrote the "
+            "trajectory; leave --model out, or start a new run from its last frame "
+            f"(ase-shard md {path} --model {spec.label})"
+        )
+    if model_parameters(model) != recorded.parameters:
+        raise CLIError(
+            f"{written} ({recorded.parameters}), but this version's {model.label} has "
+            f"({model_parameters(model)}): not the same potential"
+        )
+    if modality is not None and modality != recorded.modality:
+        raise CLIError(f"{written} and --modality {recorded.modality or '(none)'}, not {modality}")
+    return model, recorded.modality
+
+
+def model_parameters(spec: ModelSpec) -> str:
+    """A built-in potential's parameters as ``name=value, ...``; empty for the others
+    (EMT has none; a model file is its own record)."""
+    if spec.kind != "builtin":
+        return ""
+    keywords = getattr(MODELS[spec.source], "keywords", {})
+    return ", ".join(f"{name}={value!r}" for name, value in keywords.items())
 
 
 def thermalise(atoms: Atoms, temperature: float, rng: np.random.Generator) -> None:
@@ -289,13 +430,11 @@ def set_temperature(atoms: Atoms, temperature: float) -> None:
 
 
 def make_dynamics(
-    atoms: Atoms,
-    args: argparse.Namespace,
-    temperature: float,
-    defaults: Defaults,
-    rng: np.random.Generator,
+    atoms: Atoms, args: argparse.Namespace, physics: Physics, rng: np.random.Generator
 ) -> MolecularDynamics:
-    """The ASE integrator of ``args.ensemble``."""
+    """The ASE integrator of ``args.ensemble``, at ``physics``' temperature and
+    compressibility."""
+    temperature = physics.temperature
     timestep = args.timestep * units.fs
     if args.ensemble == "nve":
         return VelocityVerlet(atoms, timestep=timestep)
@@ -324,9 +463,6 @@ def make_dynamics(
             f"npt-berendsen scales the cell, but this system's cell has rank "
             f"{atoms.cell.rank}, not 3; use nve, langevin or nvt-berendsen, or give it a cell"
         )
-    compressibility = (
-        defaults.compressibility if args.compressibility is None else args.compressibility
-    )
     return NPTBerendsen(
         atoms,
         timestep=timestep,
@@ -334,7 +470,7 @@ def make_dynamics(
         taut=args.taut * units.fs,
         taup=args.taup * units.fs,
         pressure_au=args.pressure * units.bar,
-        compressibility_au=compressibility / units.bar,
+        compressibility_au=physics.compressibility / units.bar,
     )
 
 
@@ -367,8 +503,9 @@ def check_trajectory_format(path: str | None) -> None:
         )
 
 
-def frame(atoms: Atoms, step: int, time_fs: float) -> Atoms:
-    """A copy of ``atoms`` with the results already computed, the step and time (fs)."""
+def frame(atoms: Atoms, info: dict) -> Atoms:
+    """A copy of ``atoms`` with the results already computed and ``info`` (the step,
+    the time and the run's physics) as its ``atoms.info``."""
     copy = atoms.copy()
     copy.constraints = []
     results = {
@@ -378,19 +515,19 @@ def frame(atoms: Atoms, step: int, time_fs: float) -> Atoms:
     if "stress" in atoms.calc.results:  # computed by the barostat: no extra evaluation
         results["stress"] = atoms.get_stress()
     copy.calc = SinglePointCalculator(copy, **results)
-    # only the step and time: a structure file's own metadata (a CIF's occupancies)
-    # would be repeated in every frame
-    copy.info = {STEP_KEY: step, TIME_KEY: time_fs}
+    # only ours: a structure file's own metadata (a CIF's occupancies) would be
+    # repeated in every frame
+    copy.info = info
     return copy
 
 
-def gathered_frame(atoms: DistributedAtoms, step: int, time_fs: float) -> Atoms | None:
+def gathered_frame(atoms: DistributedAtoms, info: dict) -> Atoms | None:
     """:func:`frame` of distributed atoms, gathered on rank 0 (``None`` elsewhere)."""
     from ase_shard.io import _gathered_with_results
 
     whole = _gathered_with_results(atoms, root=0)
     if whole is not None:
-        whole.info = {STEP_KEY: step, TIME_KEY: time_fs}
+        whole.info = info
     return whole
 
 
@@ -403,10 +540,13 @@ class FrameWriter:
         The file; :func:`check_trajectory_format` has accepted its format.
     append : bool
         Keep the frames already there (``--restart``), else start the file anew.
+    physics : Physics
+        What every frame records of the run.
     """
 
-    def __init__(self, path: str, append: bool):
+    def __init__(self, path: str, append: bool, physics: Physics):
         self.path = path
+        self.physics = physics.info()
         self.format = filetype(path, read=False)
         self.trajectory = None
         if self.format == "traj":
@@ -416,12 +556,13 @@ class FrameWriter:
 
     def write(self, atoms: Atoms, step: int, time_fs: float) -> None:
         """Append the current state (every rank calls this; rank 0 writes)."""
+        info = {STEP_KEY: step, TIME_KEY: time_fs, **self.physics}
         if isinstance(atoms, DistributedAtoms):
-            image = gathered_frame(atoms, step, time_fs)  # collective; None but on rank 0
+            image = gathered_frame(atoms, info)  # collective; None but on rank 0
             if image is None:
                 return
         else:
-            image = frame(atoms, step, time_fs)  # every rank: reading results is collective-free
+            image = frame(atoms, info)  # every rank: reading results is collective-free
         if self.trajectory is not None:
             self.trajectory.write(image)
         elif world.rank == 0:
@@ -588,7 +729,13 @@ class StopSignals:
 
 class EnergyTracker:
     """MD observer (every step, every rank): total energy per atom and temperature,
-    and the progress display."""
+    and the progress display.
+
+    Its first call comes right after the run's first force call (ASE's ``irun``
+    computes the forces, then calls the observers), which builds the decomposition
+    and warms the model up: the progress' steps/s count from there
+    (:attr:`first_call`, a ``time.perf_counter()``).
+    """
 
     def __init__(
         self, atoms: Atoms, dyn: MolecularDynamics, progress: Progress | None, start: int
@@ -599,9 +746,12 @@ class EnergyTracker:
         self.start_step = start
         self.totals: list[float] = []  # eV/atom
         self.temperatures: list[float] = []  # K
-        self.start = time.perf_counter()
+        self.first_call: float | None = None
 
     def __call__(self) -> None:
+        now = time.perf_counter()
+        if self.first_call is None:
+            self.first_call = now
         atoms = self.atoms
         energy = atoms.get_potential_energy() + atoms.get_kinetic_energy()
         total = energy / atoms.get_global_number_of_atoms()
@@ -609,7 +759,7 @@ class EnergyTracker:
         self.temperatures.append(atoms.get_temperature())
         if self.progress is not None:
             done = self.dyn.nsteps - self.start_step
-            self.progress.update(done, total, time.perf_counter() - self.start)
+            self.progress.update(done, total, now - self.first_call)
 
 
 class Progress:
@@ -635,7 +785,8 @@ class Progress:
         self.last_draw = 0.0
 
     def update(self, done: int, total_energy: float, elapsed: float) -> None:
-        """Show step ``done`` of ``total`` after ``elapsed`` s; ``total_energy`` in eV/atom."""
+        """Show step ``done`` of ``total``, ``elapsed`` s after step 0's force call;
+        ``total_energy`` in eV/atom."""
         fraction = done / self.total if self.total else 1.0
         if self.live:
             if done < self.total and elapsed - self.last_draw < 0.1:
@@ -673,21 +824,37 @@ def _clock(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes:02d}:{seconds:02d}"
 
 
+@dataclass(frozen=True)
+class Timing:
+    """Seconds of the run: ``wall`` in all, ``first_call`` of them until the end of the
+    first force call (the decomposition's first build, the model's warm-up)."""
+
+    wall: float
+    first_call: float
+
+    @property
+    def steps_time(self) -> float:
+        """Seconds after the first force call: what the steps took."""
+        return self.wall - self.first_call
+
+
 def print_summary(
-    atoms: Atoms, steps: int, wall: float, rebuilds: int, tracker: EnergyTracker, ensemble: str
+    atoms: Atoms, steps: int, timing: Timing, rebuilds: int, tracker: EnergyTracker, ensemble: str
 ) -> None:
-    """Rank 0: throughput, rebuilds, then for NVE the total-energy drift per atom and
-    for the thermostats the temperature's mean and standard deviation; final T."""
+    """Rank 0: throughput (counted from the end of the first force call, as the
+    progress), rebuilds, then for NVE the total-energy drift per atom and for the
+    thermostats the temperature's mean and standard deviation; final T."""
     n = atoms.get_global_number_of_atoms()
-    rate = steps / wall if wall > 0 else float("nan")
+    rate = steps / timing.steps_time if timing.steps_time > 0 else float("nan")
     lines = [
         "ase-shard md summary",
         f"  atoms          {n}",
         f"  ranks          {world.size}",
         f"  steps          {steps}",
-        f"  wall time      {wall:.2f} s",
-        f"  steps/s        {rate:.3f}",
-        f"  atom-steps/s   {rate * n:.4g}",
+        f"  wall time      {timing.wall:.2f} s, of which {timing.first_call:.2f} s the first "
+        "force call",
+        f"  steps/s        {rate:.3f} after the first force call",
+        f"  atom-steps/s   {rate * n:.4g} after the first force call",
         f"  rebuilds       {rebuilds}",
     ]
     if ensemble in THERMOSTATS:

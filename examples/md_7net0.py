@@ -18,11 +18,11 @@ import ase_shard  # first: sets up MPI before ASE fixes ase.parallel.world
 
 import numpy as np
 from ase.build import molecule
-from ase.md.velocitydistribution import Stationary, ZeroRotation, thermalize_momenta
 from ase.md.verlet import VelocityVerlet
 from ase.parallel import parprint
 from ase.units import fs
 
+from ase_shard.md import set_temperature, thermalise
 from ase_shard.models import SevenNet
 
 
@@ -35,9 +35,11 @@ def main() -> None:
     atoms = molecule("C60")
     calc = ase_shard.ShardedCalculator(SevenNet("7net-0"))
     atoms.calc = calc
-    thermalize_momenta(atoms, temperature_K=args.temperature, rng=np.random.default_rng(7))
-    Stationary(atoms)
-    ZeroRotation(atoms)
+    # Maxwell-Boltzmann momenta without drift or spin (as `ase-shard md` draws them),
+    # scaled to exactly --temperature: the draw hits it only on average, and removing
+    # the drift and spin takes kinetic energy away
+    thermalise(atoms, args.temperature, np.random.default_rng(7))
+    set_temperature(atoms, args.temperature)
 
     dyn = VelocityVerlet(atoms, timestep=1 * fs)
     e0 = atoms.get_total_energy()

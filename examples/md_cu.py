@@ -27,11 +27,11 @@ import time
 import numpy as np
 from ase import units
 from ase.build import bulk
-from ase.md.velocitydistribution import Stationary, thermalize_momenta
 from ase.md.verlet import VelocityVerlet
 from ase.parallel import parprint, world
 
 from ase_shard import ShardedCalculator
+from ase_shard.md import set_temperature, thermalise
 from ase_shard.models import EMT
 
 
@@ -54,9 +54,11 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(args.size)
-    # Every rank must hold the same Atoms: seed the velocities identically.
-    thermalize_momenta(atoms, temperature_K=args.temperature, rng=np.random.default_rng(args.seed))
-    Stationary(atoms)  # no centre-of-mass drift
+    # Every rank must hold the same Atoms: seed the velocities identically. Maxwell-
+    # Boltzmann momenta without centre-of-mass drift (as `ase-shard md` draws them),
+    # scaled to exactly --temperature (the draw hits it only on average)
+    thermalise(atoms, args.temperature, np.random.default_rng(args.seed))
+    set_temperature(atoms, args.temperature)
 
     calc = ShardedCalculator(EMT())
     atoms.calc = calc

@@ -107,7 +107,8 @@ def test_multi_fidelity_needs_modality(tmp_path: Path, capsys) -> None:
     write(structure, molecule("H2O"))
     argv = ["md", str(structure), "--model", "7net-MF-0", "--steps", "1", "--no-progress"]
     assert main(argv) == 2
-    (line,) = capsys.readouterr().err.splitlines()
+    warning, line = capsys.readouterr().err.splitlines()  # a molecule: no Lattice
+    assert "h2o.xyz has no Lattice" in warning
     assert "--modality" in line and "PBE" in line
     traj = tmp_path / "mf.extxyz"
     assert main([*argv, "--modality", "pbe", "--trajectory", str(traj)]) == 0
@@ -115,6 +116,35 @@ def test_multi_fidelity_needs_modality(tmp_path: Path, capsys) -> None:
     energy, forces = sevenn_reference(first, "7net-mf-0", modal="PBE")
     assert first.get_potential_energy() == pytest.approx(energy, abs=1e-4)
     np.testing.assert_allclose(first.get_forces(), forces, atol=1e-4)
+
+
+@needs_7net0
+@pytest.mark.timeout(300)
+def test_restart_of_7net0_runs_7net0(tmp_path: Path, capsys) -> None:
+    """A 7net-0 trajectory restarted without --model ran EMT (the issue: Epot -439 eV,
+    then +2.7 eV); now it runs 7net-0, which SevenNet's calculator confirms, and
+    refuses another --model. The shipped checkpoint by path is the same model."""
+    from ase_shard import md
+    from ase_shard.cli import resolve_model
+
+    structure, traj = tmp_path / "h2o.xyz", tmp_path / "out.xyz"
+    write(structure, molecule("H2O"))
+    argv = ["md", "--steps", "1", "--interval", "1", "--timestep", "0.5", "--no-progress"]
+    assert main([*argv, str(structure), "--model", "7net-0", "--trajectory", str(traj)]) == 0
+    assert main([*argv, "--restart", str(traj)]) == 0
+    assert f"{traj} from step 1, 3 atoms, 7net-0 (SevenNet)" in capsys.readouterr().out
+    frames = read(traj, ":")
+    assert [f.info["md_step"] for f in frames] == [0, 1, 2]
+    assert {f.info["md_model"] for f in frames} == {"7net-0"}
+    energy, forces = sevenn_reference(frames[-1], "7net-0")
+    assert frames[-1].get_potential_energy() == pytest.approx(energy, abs=1e-4)
+    np.testing.assert_allclose(frames[-1].get_forces(), forces, atol=1e-4)
+
+    assert main([*argv, "--restart", str(traj), "--model", "morse"]) == 2
+    assert "was written with --model 7net-0, not morse" in capsys.readouterr().err
+    by_path = resolve_model(str(SHIPPED["7net-0"]))
+    spec, _ = md.restart_model(str(traj), md.read_restart(str(traj))[2], by_path, None)
+    assert spec.source == str(SHIPPED["7net-0"])
 
 
 def test_modality_for_a_builtin_exit_2(capsys) -> None:

@@ -76,7 +76,7 @@ def test_choices_match_the_modules_that_define_them() -> None:
         (["bench", "--help"], 0, "stdout", "--framework"),
         (["md", "--ensemble", "npt"], 2, "stderr", "invalid choice: 'npt'"),
         (["md", "--model", "nonsense"], 2, "stderr", "unknown model 'nonsense'"),
-        (["md", "--size", "0"], 2, "stderr", "--size must be >= 1"),
+        (["md", "--size", "0"], 2, "stderr", "argument --size: must be an integer >= 1, not '0'"),
     ],
 )
 def test_entry_point_answers(argv: list[str], code: int, stream: str, text: str) -> None:

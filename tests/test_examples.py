@@ -109,8 +109,9 @@ def test_md_demo_conserves_energy_and_reports(launched: str):
     assert "108 atoms on 1 MPI rank(s)" in out
     assert "model EMT" in out
     # header + one line per 5 steps, ending on step 20
-    steps = [int(m.group(1)) for m in re.finditer(rf"^\s+(\d+)\s+{FLOAT}\s", out, re.M)]
-    assert steps == [0, 5, 10, 15, 20]
+    rows = [m.group(0).split() for m in re.finditer(rf"^\s+(\d+)\s+{FLOAT}\s.*$", out, re.M)]
+    assert [int(row[0]) for row in rows] == [0, 5, 10, 15, 20]
+    assert rows[0][-1] == "300.0"  # T at step 0: exactly the 300 K asked for
     drift = re.search(rf"energy drift: ({FLOAT}) eV/atom over 40 fs", out)
     assert drift, out
     assert abs(float(drift.group(1))) < 1e-3
@@ -125,6 +126,8 @@ def test_md_demo_conserves_energy_and_reports(launched: str):
 def test_md_with_pretrained_7net0(launched: str):
     out = launched
     assert "7net-0 (cutoff 5.0 Å, 5 layers)" in out
+    first = re.search(rf"^\s+0\s+{FLOAT}\s+{FLOAT}\s+({FLOAT})$", out, re.M)
+    assert first and first.group(1) == "300.0", out  # T at step 0: the 300 K asked for
     drift = float(re.search(r"drift ([-+0-9.e]+) eV/atom", out).group(1))
     assert abs(drift) < 1e-3
 

@@ -67,16 +67,29 @@ def test_atoms_closer_than_min_distance_raise_everywhere(first, second, offset) 
     atoms.positions[first] = atoms.positions[second] + offset
     distance = atoms.get_distance(first, second, mic=True)
     assert distance < 0.5
-    atoms.calc = ShardedCalculator(EMT())
+    atoms.calc = ShardedCalculator(EMT(), min_distance=0.5)
     pair = f"atoms {min(first, second)} and {max(first, second)} are {distance:.4f} Å apart"
-    with pytest.raises(ValueError, match=pair):
+    with pytest.raises(ValueError, match=pair + ", closer than min_distance=0.5 Å"):
         atoms.get_forces()
-    # the next call starts afresh and the threshold is the user's to set
+    # the next call starts afresh; without a min_distance (the default) a close
+    # contact is the model's to evaluate, as in ASE
     if distance == 0.0:
         return  # ASE's EMT, the oracle, is NaN there
-    atoms.calc = ShardedCalculator(EMT(), min_distance=0.5 * distance)
-    errors = relative_errors(results(atoms), ase_results(AseEMT(), atoms))
-    assert max(errors.values()) <= 1e-10, errors
+    for calc in ShardedCalculator(EMT()), ShardedCalculator(EMT(), min_distance=0.5 * distance):
+        atoms.calc = calc
+        errors = relative_errors(results(atoms), ase_results(AseEMT(), atoms))
+        assert max(errors.values()) <= 1e-10, errors
+
+
+@pytest.mark.parametrize("distance", [0.0, 1e-9, 5e-5])
+def test_coincident_atoms_raise_without_min_distance(distance: float) -> None:
+    """Atoms at one point (to round-off) have no energy: an error on every rank, never a
+    number (ASE's EMT gives NaN at 0 and a finite answer at 1e-9 Å)."""
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(3)
+    atoms.positions[7] = atoms.positions[5] + (distance, 0.0, 0.0)
+    atoms.calc = ShardedCalculator(EMT())
+    with pytest.raises(ValueError, match=rf"atoms 5 and 7 are {distance:.2g} Å apart: coincident"):
+        atoms.get_potential_energy()
 
 
 def test_min_distance_is_validated() -> None:

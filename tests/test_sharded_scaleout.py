@@ -73,21 +73,23 @@ def test_every_slice_is_checked_within_size_minus_one_calls() -> None:
     assert "positions of atoms" in found[1] and f"ranks 0 and {LAST}" in found[1]
 
 
-def test_only_requested_per_atom_results_are_stored() -> None:
-    """Forces alone bring no per-atom energies or stresses; asking brings them, exact."""
+def test_per_atom_stresses_are_stored_only_when_asked_for() -> None:
+    """Any call brings what ASE's EMT does (energies, forces); per-atom stresses only
+    when asked for, and then exact."""
     atoms = _cu()
     calc = ShardedCalculator(EMT())
     atoms.calc = calc
-    atoms.get_forces()
-    assert {"energy", "free_energy", "forces", "stress"} <= set(calc.results)
-    assert not {"energies", "stresses"} & set(calc.results)
+    atoms.get_potential_energy()
+    assert {"energy", "free_energy", "energies", "forces", "stress"} <= set(calc.results)
+    assert "stresses" not in calc.results
     _assert_exact(atoms)  # asks for every property
-    assert {"energies", "stresses"} <= set(calc.results)
+    assert "stresses" in calc.results
 
 
 def test_bytes_received_per_reuse_step() -> None:
-    """A reuse step brings each rank the other owners' forces, its ghosts' force sums and
-    one (energy, virial) row per other rank: no broadcast of the whole result. EMT's
+    """A reuse step brings each rank the other owners' energies and forces, its ghosts'
+    sums of both and one (energy, virial) row of compensated sums (pairs) per other
+    rank: no broadcast of the whole result. EMT's
     kernel, taking each pair between two ranks on one of them, also brings its owned
     atoms' density sums from the ghosts (2 numbers each) and its ghosts' dE/dsigma (1)."""
     atoms = _cu()
@@ -96,17 +98,16 @@ def test_bytes_received_per_reuse_step() -> None:
     atoms.get_forces()
     rows = calc._state.rows
     others = COMM.size - 1
-    for ask, per_atom in ((atoms.get_forces, 3), (atoms.get_potential_energy, 0)):
+    for ask in atoms.get_forces, atoms.get_potential_energy:
         atoms.positions += SMALL_MOVE
         before = calc.comm.received_bytes
         ask()
         received = calc.comm.received_bytes - before
-        expected = others * 7 * 8
+        expected = others * 7 * 2 * 8
         if others:
             expected += (len(rows.send_index) * 2 + rows.n_nodes - rows.n_owned) * 8
-        if per_atom:
-            ghost_sums = len(rows.send_index) * per_atom * 8
-            expected += ghost_sums + (len(atoms) - rows.n_owned) * per_atom * 8
+        per_atom = 4  # energy and force
+        expected += (len(rows.send_index) + len(atoms) - rows.n_owned) * per_atom * 8
         assert received == expected
     assert calc.rebuilds == 1
 

@@ -10,11 +10,21 @@ from ase.calculators.emt import beta, parameters
 from ase.data import atomic_numbers
 from ase.units import Bohr
 
+from ase_shard import kernels
 from ase_shard.graph import EdgeList, LocalGraph
+from ase_shard.kernels import (
+    EMT_COLUMNS,
+    EMT_E0,
+    EMT_ETA2,
+    EMT_INV12GAMMA1,
+    EMT_KAPPA,
+    EMT_LAMBDA,
+    EMT_N0,
+    EMT_NEGHALFV0OVERGAMMA2,
+    EMT_S0,
+    EMT_V0,
+)
 
-# Columns of the per-Z parameter table; lengths in Å, energies in eV.
-_E0, _S0, _V0, _ETA2, _KAPPA, _LAMBDA, _N0, _INV12GAMMA1, _NEGHALFV0OVERGAMMA2 = range(9)
-_N_COLUMNS = 9
 _N_ELEMENTS = 119
 
 
@@ -33,7 +43,7 @@ def _cutoff_parameters() -> tuple[float, float, float]:
 
 def _parameter_table(rc: float, acut: float) -> torch.Tensor:
     """``(119, 9)`` float64 table indexed by atomic number; unsupported rows are NaN."""
-    table = torch.full((_N_ELEMENTS, _N_COLUMNS), float("nan"), dtype=torch.float64)
+    table = torch.full((_N_ELEMENTS, EMT_COLUMNS), float("nan"), dtype=torch.float64)
     # fcc shell multiplicities and distances of the 1st-3rd neighbours, as in ASE.
     shells = np.array([12, 6, 24])
     for symbol, (e0, s0, v0, eta2, kappa, lmbda, n0) in parameters.items():
@@ -100,27 +110,27 @@ class EMT(torch.nn.Module):
 
         r = torch.linalg.vector_norm(vectors, dim=-1)
         w = 1.0 / (1.0 + torch.exp(self.acut * (r - self.rc)))
-        chi = neighbour_(_N0) / centre_(_N0)
+        chi = neighbour_(EMT_N0) / centre_(EMT_N0)
 
-        s0_j = neighbour_(_S0)
-        dsigma1 = torch.exp(-neighbour_(_ETA2) * (r - beta * s0_j)) * chi * w
+        s0_j = neighbour_(EMT_S0)
+        dsigma1 = torch.exp(-neighbour_(EMT_ETA2) * (r - beta * s0_j)) * chi * w
         sigma1 = vectors.new_zeros(graph.n_atoms).index_add(0, centre, dsigma1)
         # Isolated atoms have sigma1 == 0 and log(0) would poison the gradient
         # through torch.where, so they evaluate the formula at a harmless value.
         has_neighbours = sigma1 > 0.0
         safe_sigma1 = torch.where(has_neighbours, sigma1, torch.ones_like(sigma1))
-        e0 = atom[:, _E0]
-        lmbda = atom[:, _LAMBDA]
-        ds = -torch.log(safe_sigma1 * atom[:, _INV12GAMMA1]) / (beta * atom[:, _ETA2])
+        e0 = atom[:, EMT_E0]
+        lmbda = atom[:, EMT_LAMBDA]
+        ds = -torch.log(safe_sigma1 * atom[:, EMT_INV12GAMMA1]) / (beta * atom[:, EMT_ETA2])
         cohesive = e0 * (1.0 + lmbda * ds) * torch.exp(-lmbda * ds)
-        cohesive = cohesive + 6.0 * atom[:, _V0] * torch.exp(-atom[:, _KAPPA] * ds)
+        cohesive = cohesive + 6.0 * atom[:, EMT_V0] * torch.exp(-atom[:, EMT_KAPPA] * ds)
         cohesive = torch.where(has_neighbours, cohesive, torch.zeros_like(cohesive))
 
         # sigma2 contributions seen from the centre (es) and from the neighbour (eo).
         r_beta = r / beta
-        es = centre_(_NEGHALFV0OVERGAMMA2) * torch.exp(-neighbour_(_KAPPA) * (r_beta - s0_j))
-        eo = neighbour_(_NEGHALFV0OVERGAMMA2) * torch.exp(
-            -centre_(_KAPPA) * (r_beta - centre_(_S0))
+        es = centre_(EMT_NEGHALFV0OVERGAMMA2) * torch.exp(-neighbour_(EMT_KAPPA) * (r_beta - s0_j))
+        eo = neighbour_(EMT_NEGHALFV0OVERGAMMA2) * torch.exp(
+            -centre_(EMT_KAPPA) * (r_beta - centre_(EMT_S0))
         )
         pair = (es * chi + eo / chi) * w
         sphere = vectors.new_zeros(graph.n_atoms).index_add(0, centre, 0.5 * pair)
@@ -133,7 +143,5 @@ class EMT(torch.nn.Module):
         edge's squared length (Å²). A centre's energy needs its own density
         only, so the edges centred on owned nodes suffice, as in :meth:`forward`.
         """
-        from ase_shard import kernels
-
         table = self.table.detach().cpu().numpy()
         return kernels.emt_forces(table, self.rc, self.acut, beta, edges, out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ase_shard import kernels
 from ase_shard.graph import EdgeList, LocalGraph
 
 
@@ -76,8 +77,6 @@ class LennardJones(torch.nn.Module):
         See :class:`ase_shard.graph.DirectForces`; returns the shortest listed
         edge's squared length (Å²).
         """
-        from ase_shard import kernels
-
         if self.smooth:
             kind, params = kernels.LJ_SMOOTH, [self.rc**2, self.ro**2]
         else:

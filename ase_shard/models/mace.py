@@ -10,6 +10,7 @@ import inspect
 import os
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ase_shard.graph import LocalGraph
@@ -145,6 +146,16 @@ class MACE(torch.nn.Module):
             for block in model.interactions
         ]
         self.eval()
+
+    def reference_energies(self, numbers: np.ndarray) -> np.ndarray:
+        """The atomic energies E0 (eV) of the head, for atoms of elements ``numbers``.
+
+        ``ShardedCalculator`` reports ``node_energy = energies - E0``, as
+        ``MACECalculator`` does.
+        """
+        table = torch.atleast_2d(self.model.atomic_energies_fn.atomic_energies)[self.head_index]
+        element = self.z_to_index[torch.as_tensor(numbers, dtype=torch.int64)]
+        return table.index_select(0, element.to(table.device)).double().cpu().numpy()
 
     def train(self, mode: bool = True) -> MACE:
         """Inference only: the wrapped model stays in eval mode."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ase_shard import kernels
 from ase_shard.graph import EdgeList, LocalGraph
 
 
@@ -67,7 +68,5 @@ class Morse(torch.nn.Module):
         See :class:`ase_shard.graph.DirectForces`; returns the shortest listed
         edge's squared length (Å²).
         """
-        from ase_shard import kernels
-
         params = np.array([self.epsilon, self.r0, self.rho0, self.r_on, self.r_off])
         return kernels.pair_forces(kernels.MORSE, params, edges, out)

@@ -1,0 +1,243 @@
+"""What ``ase-shard`` knows by name: models, built-in systems and their defaults.
+
+Below the command line (:mod:`ase_shard.cli`), the MD driver (:mod:`ase_shard.md`)
+and the benchmark (:mod:`ase_shard.bench`), which all resolve the same names.
+Torch-free, so that parsing and ``--help`` need no torch: the models themselves
+are built by the modules that run them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ase.parallel import parprint
+
+if TYPE_CHECKING:
+    from ase import Atoms
+
+
+class CLIError(Exception):
+    """A user error: reported as one line, exit code 2."""
+
+
+# ----------------------------------------------------------------------------- models
+
+BUILTIN_MODELS = ("emt", "lj", "morse")
+BENCH_MODELS = ("sevennet", "mace", "nequip")  # random-weight models of ase_shard.bench
+NO_EDGE = "no-edge"  # ase_shard.bench.NO_EDGE
+
+# SevenNet's pretrained checkpoints by sevenn's names (sevenn._const), relative to
+# sevenn/pretrained_potentials or ~/.cache/sevennet; only those found there are
+# offered, because sevenn would download the others
+SEVENN_CHECKPOINTS = {
+    "7net-0": "SevenNet_0__11Jul2024/checkpoint_sevennet_0.pth",
+    "7net-0_22may2024": "SevenNet_0__22May2024/checkpoint_sevennet_0.pth",
+    "7net-l3i5": "SevenNet_l3i5/checkpoint_l3i5.pth",
+    "7net-mf-0": "SevenNet_MF_0/checkpoint_sevennet_mf_0.pth",
+    "7net-mf-ompa": "SevenNet_MF_ompa/checkpoint_sevennet_mf_ompa.pth",
+    "7net-omat": "SevenNet_omat/checkpoint_sevennet_omat.pth",
+    "7net-omni": "SevenNet_omni/checkpoint_sevennet_omni.pth",
+    "7net-omni-i8": "SevenNet_omni_i8/checkpoint_sevennet_omni_i8.pth",
+    "7net-omni-i12": "SevenNet_omni_i12/checkpoint_sevennet_omni_i12.pth",
+}
+# model files by name ending -> (adapter kind, what the file is)
+MODEL_FILES = {
+    ".pth": ("sevenn", "SevenNet checkpoint"),
+    ".model": ("mace", "MACE model"),
+    ".nequip.zip": ("nequip", "NequIP/Allegro package"),
+    ".ckpt": ("nequip", "NequIP/Allegro checkpoint"),
+}
+# adapter kind -> (module it imports, its distribution)
+ADAPTER_PACKAGES = {
+    "sevenn": ("sevenn", "sevenn"),
+    "mace": ("mace", "mace-torch"),
+    "nequip": ("nequip", "nequip"),
+}
+# fcc argon at the density of the liquid near its boiling point, 1.40 g/cm³
+ARGON_LIQUID_A = 5.74
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A resolved ``--model``: ``kind`` is ``builtin``, ``bench`` (random weights),
+    ``sevenn``, ``mace`` or ``nequip``; ``source`` the name or the file path;
+    ``label`` what the run prints; ``argument`` the ``--model`` value that finds
+    the model again from any directory (the name, or the file's absolute path),
+    which ``ase-shard md`` records in its frames for ``--restart``."""
+
+    kind: str
+    source: str
+    label: str
+    argument: str
+
+
+def same_model(a: ModelSpec, b: ModelSpec) -> bool:
+    """Whether two resolved ``--model`` values are one model: the same built-in, or
+    the same file (a shipped checkpoint by name or by path)."""
+    if a.kind != b.kind:
+        return False
+    if a.kind in ("builtin", "bench"):
+        return a.source == b.source
+    return os.path.realpath(a.source) == os.path.realpath(b.source)
+
+
+def sevenn_directory() -> Path | None:
+    """sevenn's ``pretrained_potentials`` directory, found without importing sevenn."""
+    spec = importlib.util.find_spec("sevenn")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))) / "pretrained_potentials"
+
+
+def shipped_checkpoints() -> dict[str, Path]:
+    """Pretrained SevenNet checkpoints present on this machine, by name."""
+    places = [sevenn_directory(), Path("~/.cache/sevennet").expanduser()]
+    found = {}
+    for name, relative in SEVENN_CHECKPOINTS.items():
+        for place in places:
+            if place is not None and (place / relative).is_file():
+                found[name] = place / relative
+                break
+    return found
+
+
+def model_choices(bench: bool = False) -> list[str]:
+    """The model names ``--model`` takes here (besides model files)."""
+    extra = [*BENCH_MODELS, NO_EDGE] if bench else []
+    return [*BUILTIN_MODELS, *extra, *shipped_checkpoints()]
+
+
+def resolve_model(name: str, bench: bool = False) -> ModelSpec:
+    """``--model NAME``: a built-in potential, a shipped checkpoint or a model file.
+
+    Raises
+    ------
+    CLIError
+        One line listing the choices, for a name that is none of these.
+    """
+    key = name.lower()  # sevenn's names are case-insensitive (7net-MF-0)
+    if key in BUILTIN_MODELS:
+        return ModelSpec("builtin", key, key, key)
+    if bench and key in (*BENCH_MODELS, NO_EDGE):
+        return ModelSpec("bench", key, key, key)
+    shipped = shipped_checkpoints()
+    if key in shipped:
+        return ModelSpec("sevenn", str(shipped[key]), key, key)
+    if os.path.isfile(name):
+        for ending, (kind, _) in MODEL_FILES.items():
+            if name.endswith(ending):
+                return ModelSpec(kind, name, name, os.path.abspath(name))
+        endings = ", ".join(f"{e} ({what})" for e, (_, what) in MODEL_FILES.items())
+        raise CLIError(f"model file {name!r}: name it after its kind: {endings}")
+    hint = " (sevenn downloads it; not available offline)" if key in SEVENN_CHECKPOINTS else ""
+    raise CLIError(
+        f"unknown model {name!r}{hint}: choose {', '.join(model_choices(bench))}, "
+        f"or a model file ({', '.join(MODEL_FILES)})"
+    )
+
+
+# ---------------------------------------------------------------------------- systems
+
+@dataclass(frozen=True)
+class Defaults:
+    """What suits a kind of system when the command line does not say."""
+
+    model: str
+    temperature: float  # K
+    compressibility: float  # 1/bar, for the Berendsen barostat
+
+
+@dataclass(frozen=True)
+class System:
+    """A built-in system: ``build(size, seed)``, its default size and defaults."""
+
+    build: Callable[[int, int], Atoms]
+    size: int
+    size_help: str
+    defaults: Defaults
+
+
+def _cu_bulk(size: int, seed: int) -> Atoms:
+    from ase.build import bulk
+
+    return bulk("Cu", "fcc", a=3.61, cubic=True).repeat(size)
+
+
+def _cu_cluster(size: int, seed: int) -> Atoms:
+    from ase.cluster import Icosahedron
+
+    return Icosahedron("Cu", noshells=size, latticeconstant=3.61)
+
+
+def _ar_liquid(size: int, seed: int) -> Atoms:
+    from ase.build import bulk
+
+    atoms = bulk("Ar", "fcc", a=ARGON_LIQUID_A, cubic=True).repeat(size)
+    atoms.rattle(stdev=0.2, seed=seed)
+    return atoms
+
+
+COPPER = Defaults("emt", 300.0, 7e-7)
+SYSTEMS = {
+    "cu-bulk": System(_cu_bulk, 10, "4 N^3 atoms of fcc Cu", COPPER),
+    "cu-cluster": System(_cu_cluster, 11, "Cu icosahedron of N shells", COPPER),
+    "ar-liquid": System(_ar_liquid, 10, "4 N^3 Ar atoms", Defaults("lj", 180.0, 2e-4)),
+}
+FILE_DEFAULTS = COPPER  # EMT, 300 K, a metal's compressibility
+
+
+def load_system(args: argparse.Namespace) -> tuple[Atoms, Defaults, str]:
+    """The ``Atoms`` of STRUCTURE or ``--system`` (identical on every rank), their
+    defaults and a label, from the parsed ``ase-shard`` arguments (``command``,
+    ``structure``, ``system``, ``size``, ``seed``); ``ase_shard.cli.check_system_args``
+    has checked them.
+
+    An (extended) XYZ file without ``Lattice`` runs as an isolated cluster, with no
+    cell and no periodic axis: rank 0 says so on stderr, as a crystal that lost its
+    cell would otherwise run silently. Other formats say whether there is a cell.
+    """
+    if args.structure is not None:
+        from ase.io.formats import filetype
+
+        atoms = read_structure(args.structure, "structure file")
+        xyz = filetype(args.structure, read=False) == "extxyz"  # .xyz and .extxyz
+        if xyz and atoms.cell.rank == 0 and not atoms.pbc.any():
+            parprint(
+                f"ase-shard {args.command}: warning: {args.structure} has no Lattice: no cell "
+                "and no periodic boundaries, so it runs as an isolated cluster (for a crystal, "
+                'add Lattice="..." and pbc="T T T" to its comment line)',
+                file=sys.stderr,
+                flush=True,
+            )
+        return atoms, FILE_DEFAULTS, args.structure
+    name = args.system or "cu-bulk"
+    system = SYSTEMS[name]
+    size = system.size if args.size is None else args.size
+    return system.build(size, args.seed), system.defaults, f"{name} N={size}"
+
+
+def read_structure(path: str, role: str) -> Atoms:
+    """The last image of ``path`` (``ase.io.read``, identical on every rank).
+
+    Raises
+    ------
+    CLIError
+        Naming ``role`` (what the file is for), the file and what ``ase.io`` said,
+        for any file it cannot read. ``ase.io.read`` reads on rank 0 and hands the
+        outcome, an error included, to every rank.
+    """
+    from ase.io import read
+
+    try:
+        return read(path)
+    except Exception as exc:
+        said = " ".join(str(exc).split())
+        reason = f"{type(exc).__name__}: {said}" if said else f"{type(exc).__name__} (no message)"
+        raise CLIError(f"{role} {path}: ase.io.read cannot read it: {reason}") from None

@@ -1,0 +1,132 @@
+"""Two source trees of ase_shard in turns: the MD step time of each, round by round.
+
+A change's cost is smaller than this machine's drift from one minute to the
+next, so the two trees run in alternating processes (ABBA order, one process
+per tree and round, the same seed) and each round gives one ratio B/A; the
+median over rounds is the comparison. Each process imports its tree through
+``PYTHONPATH``.
+
+Cases (each times ``atoms.get_forces()`` after a 1e-3 Å move of every atom,
+a step that reuses the decomposition, as MD steps do):
+
+- ``emt``: 32,000 Cu atoms (fcc, 20^3 cubic cells), ``ase_shard.models.EMT``;
+- ``lj``: 32,000 Ar atoms (fcc, a = 5.26 Å, rattled), Lennard-Jones
+  (sigma 3.4 Å, epsilon 0.0104 eV, cut at 8.5 Å);
+- ``framework``: ``ase-shard bench --framework`` on 1,000,188 Cu atoms with the
+  no-edge model (the calculator's own cost per MD step, no pairs).
+
+Usage::
+
+    python scripts/ab_compare.py --trees OLD_TREE NEW_TREE --cases emt lj \\
+        --ranks 1 2 --rounds 6 --json ab.json
+
+Prints, per case and rank count, each round's times and ratio, and the median
+ratio; writes them all to ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+STEP_MOVE = 1e-3  # Å per step: far below any skin, so every timed step reuses the layout
+
+
+def _child(case: str, steps: int) -> None:
+    """Time ``steps`` reuse steps of ``case`` in this process's tree; rank 0 prints JSON."""
+    import numpy as np
+    from ase.build import bulk
+
+    import ase_shard
+    from ase_shard import ShardedCalculator
+    from ase_shard.models import EMT, LennardJones
+
+    if case == "emt":
+        atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(20)
+        model = EMT()
+    else:
+        atoms = bulk("Ar", "fcc", a=5.26, cubic=True).repeat(20)
+        atoms.rattle(0.05, seed=1)
+        model = LennardJones(sigma=3.4, epsilon=0.0104, rc=8.5)
+    atoms.calc = calc = ShardedCalculator(model)
+    atoms.get_forces()
+    rng = np.random.default_rng(7)
+    times = []
+    for _ in range(steps):
+        atoms.positions += rng.normal(scale=STEP_MOVE / 3**0.5, size=atoms.positions.shape)
+        start = time.perf_counter()
+        atoms.get_forces()
+        times.append(time.perf_counter() - start)
+    assert calc.rebuilds == 1, calc.rebuilds
+    if calc.comm.rank == 0:
+        print(json.dumps({"step_s": statistics.median(times), "samples_s": times,
+                          "source": os.path.dirname(ase_shard.__file__)}))
+
+
+def _run(tree: str, case: str, ranks: int, steps: int) -> dict:
+    """One process (``ranks`` MPI ranks) of ``case`` with ``tree`` first on the path."""
+    env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"}
+    launcher = []
+    if ranks > 1:
+        mpirun = Path(sys.executable).parent / "mpirun"
+        launcher = [str(mpirun), "--oversubscribe", "-n", str(ranks)]
+    if case == "framework":
+        with tempfile.TemporaryDirectory() as scratch:
+            report = os.path.join(scratch, "framework.json")
+            command = [*launcher, sys.executable, "-m", "ase_shard.cli", "bench", "--framework",
+                       "--size", "63", "--reuse-steps", str(steps), "--rebuild-steps", "1",
+                       "--threads", "1", "--json", report]
+            subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
+            with open(report) as handle:
+                reuse = json.load(handle)["results"]["reuse"]
+            return {"step_s": reuse["framework_s"], "samples_s": reuse["framework_samples_s"]}
+    command = [*launcher, sys.executable, str(HERE), "--child", case, "--steps", str(steps)]
+    done = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trees", nargs=2, metavar=("A", "B"), help="two source trees")
+    parser.add_argument("--cases", nargs="+", choices=("emt", "lj", "framework"),
+                        default=["emt", "lj"])
+    parser.add_argument("--ranks", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per process")
+    parser.add_argument("--json", help="write every round here")
+    parser.add_argument("--child", choices=("emt", "lj"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        _child(args.child, args.steps)
+        return
+    trees = [str(Path(tree).resolve()) for tree in args.trees]
+    report = {"trees": trees, "rounds": args.rounds, "steps": args.steps, "cases": []}
+    for case in args.cases:
+        for ranks in args.ranks:
+            rounds = []
+            for round_ in range(args.rounds):
+                order = (0, 1) if round_ % 2 == 0 else (1, 0)  # ABBA: drift cancels
+                times = {}
+                for which in order:
+                    times[which] = _run(trees[which], case, ranks, args.steps)["step_s"]
+                rounds.append({"a_s": times[0], "b_s": times[1], "ratio": times[1] / times[0]})
+                print(f"{case} {ranks} rank(s) round {round_ + 1}: A {times[0] * 1e3:.2f} ms, "
+                      f"B {times[1] * 1e3:.2f} ms, B/A {times[1] / times[0]:.3f}", flush=True)
+            median = statistics.median(r["ratio"] for r in rounds)
+            print(f"{case} {ranks} rank(s): median B/A {median:.3f}", flush=True)
+            report["cases"].append({"case": case, "ranks": ranks, "rounds": rounds,
+                                    "median_ratio": median})
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

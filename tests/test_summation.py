@@ -1,0 +1,43 @@
+"""Compensated sums (ase_shard.summation) against ``math.fsum``, the correctly rounded sum."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ase_shard.summation import compensated_row_sums, exact_total
+
+
+def _ill_conditioned(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Large terms that cancel in pairs, shuffled among small ones: a plain sum keeps
+    little of the small ones' total."""
+    large = rng.normal(size=n) * 1e10
+    return rng.permutation(np.concatenate([large, -large, rng.normal(size=n)]))
+
+
+def test_rows_are_summed_as_if_in_twice_the_precision() -> None:
+    rng = np.random.default_rng(5)
+    rows = np.stack([_ill_conditioned(rng, 5000) for _ in range(3)])
+    pairs = compensated_row_sums(rows)
+    for row, (total, error) in zip(rows, pairs, strict=True):
+        exact = math.fsum(row)
+        assert abs(total + error - exact) <= math.ulp(exact)
+        assert abs(row.sum() - exact) > 100 * math.ulp(exact)  # a plain sum is far off
+
+
+def test_totals_do_not_depend_on_the_order_of_terms_or_ranks() -> None:
+    """Split among ranks in any way and any order, the total is the correctly rounded one
+    (to one unit in the last place); plain sums of the same splits differ."""
+    rng = np.random.default_rng(6)
+    values = _ill_conditioned(rng, 20000)[None]
+    exact = math.fsum(values[0])
+    plain = set()
+    for ranks in (1, 2, 3, 7):
+        order = rng.permutation(values.shape[1])
+        parts = np.array_split(values[:, order], ranks, axis=1)
+        pairs = np.stack([compensated_row_sums(part) for part in parts[::-1]])
+        assert abs(exact_total(pairs)[0] - exact) <= math.ulp(exact)
+        assert exact_total(pairs[::-1])[0] == exact_total(pairs)[0]  # fsum: any order
+        plain.add(sum(part.sum() for part in parts))
+    assert len(plain) > 1  # plain sums of the same splits differ
