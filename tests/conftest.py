@@ -17,6 +17,7 @@ import json
 import re
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -149,35 +150,36 @@ class _ReceivedBytes:
 
 
 class ExchangeReport:
-    """Per test (set-up, call and tear-down), the bytes this rank received from others;
-    at the end every rank's counts go to rank 0, which writes the report."""
+    """Per test (set-up, call and tear-down), the bytes this rank received from others
+    and its wall seconds; at the end every rank's go to rank 0, which writes the report:
+    per test id, ``bytes`` and ``seconds`` by rank."""
 
     def __init__(self, path: Path):
         self.path = path
-        self.received: dict[str, int] = {}
+        self.tests: dict[str, tuple[int, float]] = {}
         Comm.received_bytes = _ReceivedBytes()
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item):
-        before = _ReceivedBytes.total
+        received, start = _ReceivedBytes.total, time.perf_counter()
         yield
-        self.received[item.nodeid] = _ReceivedBytes.total - before
+        self.tests[item.nodeid] = (_ReceivedBytes.total - received, time.perf_counter() - start)
 
     def pytest_sessionfinish(self, session) -> None:
-        every_rank = _COMM.gather(self.received)
+        every_rank = _COMM.gather(self.tests)
         if not _COMM.is_root:
             return
-        tests = sorted(set().union(*every_rank))
-        exchanged = [t for t in tests if any(rank.get(t, 0) > 0 for rank in every_rank)]
+        tests = {
+            test: {
+                "bytes": [rank.get(test, (0, 0.0))[0] for rank in every_rank],
+                "seconds": [round(rank.get(test, (0, 0.0))[1], 3) for rank in every_rank],
+            }
+            for test in sorted(set().union(*every_rank))
+        }
+        exchanged = [test for test, seen in tests.items() if max(seen["bytes"]) > 0]
         self.path.write_text(
             json.dumps(
-                {
-                    "ranks": _COMM.size,
-                    "tests": len(tests),
-                    "exchanged": len(exchanged),
-                    "bytes": {t: [rank.get(t, 0) for rank in every_rank] for t in tests},
-                },
-                indent=1,
+                {"ranks": _COMM.size, "exchanged": len(exchanged), "tests": tests}, indent=1
             )
         )
         print(
