@@ -1,8 +1,9 @@
 """ase_shard: one ASE system, many MPI ranks, any torch potential."""
 
-from ase_shard.comm import abort_job_on_uncaught_exception, init_mpi
+from ase_shard.comm import abort_job_on_uncaught_exception, check_ase_world, init_mpi
 
 init_mpi()  # before ASE fixes ase.parallel.world
+check_ase_world()  # too late if the script used it already: say so
 abort_job_on_uncaught_exception()  # one rank's uncaught exception ends the job, no hang
 
 # the package-level names import torch: loaded on first use (PEP 562), so that

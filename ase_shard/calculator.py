@@ -26,6 +26,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from numbers import Real
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,7 @@ from ase_shard.distributed import GLOBAL_ID, DistributedAtoms, migrate
 from ase_shard.exchange import HaloExchange, PeerFailure
 from ase_shard.graph import (
     ShardModel,
+    check_model,
     model_digest,
     model_dtype,
     receptive_field,
@@ -62,13 +64,10 @@ from ase_shard.partition import (
 )
 from ase_shard.summation import compensated_row_sums, exact_total
 from ase_shard.system import (
-    check_slices,
     checksum,
     differing_fields,
     fingerprint,
     slice_bounds,
-    slice_checksums,
-    slice_disagreements,
     validate,
     validate_cell,
     validate_numbers,
@@ -167,6 +166,60 @@ def checked_device(device: Any) -> torch.device:
             f"device {device!r} is not available here; available: {', '.join(available)}"
         )
     return placed
+
+
+# the precisions a model can run in, by the names the command line uses
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def checked_dtype(dtype: Any, model: torch.nn.Module) -> torch.dtype:
+    """The precision to evaluate ``model`` in: ``dtype``, else the model's own.
+
+    ``dtype`` is ``"float32"``, ``"float64"``, ``torch.float32``,
+    ``torch.float64`` or ``None``; anything else raises ``ValueError`` naming
+    it. Half precision is refused, also when it is the model's own.
+    """
+    resolved = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if dtype is None:
+        resolved = model_dtype(model)
+    if isinstance(resolved, torch.dtype) and resolved in DTYPES.values():
+        return resolved
+    if isinstance(resolved, torch.dtype) and resolved.is_floating_point:
+        whose = "the model's dtype" if dtype is None else "dtype"
+        raise ValueError(
+            f"{whose} is {resolved}: in half precision (float16/bfloat16) edge vectors keep "
+            "3 significant digits and forces are not usable for MD; pass dtype=torch.float32 "
+            "(or 'float32') to run such a model"
+        )
+    raise ValueError(
+        "dtype must be 'float32' or 'float64' (or torch.float32, torch.float64, None for the "
+        f"model's own), not {dtype!r}"
+    )
+
+
+def _length(name: str, value: Any) -> float:
+    """``value`` as a finite distance >= 0 (Å), or ``ValueError`` naming ``name``."""
+    try:
+        length = float(value)
+    except (TypeError, ValueError):
+        length = np.nan
+    if not (np.isfinite(length) and length >= 0):
+        raise ValueError(f"{name} must be a finite distance >= 0 Å, not {value!r}")
+    return length
+
+
+def _rank_grid(grid: Any, size: int) -> tuple[int, int, int]:
+    """``grid`` as three positive integers multiplying to ``size``, or ``ValueError``."""
+    try:
+        cells = tuple(int(p) for p in grid)
+        integral = all(p == cell for p, cell in zip(grid, cells, strict=True))
+    except (TypeError, ValueError):
+        cells, integral = (), False
+    if not integral or len(cells) != 3 or min(cells) < 1 or np.prod(cells) != size:
+        raise ValueError(
+            f"grid must be three positive integers that multiply to {size} ranks, not {grid!r}"
+        )
+    return cells
 
 
 # per-atom results and their columns in the block's rows
@@ -337,7 +390,9 @@ class ShardedCalculator(Calculator):
     model : torch.nn.Module
         A model following the protocol of :class:`ase_shard.graph.ShardModel`
         (``cutoff`` in Å, ``num_layers``, ``atomic_types``, per-atom energies
-        in eV).
+        in eV). Anything else raises ``TypeError`` naming what is missing
+        (:func:`ase_shard.graph.check_model`), here rather than at the first
+        calculation.
     skin : float
         Extra neighbour/halo distance in Å. The decomposition is reused until
         some atom moved more than ``skin / 2`` since it was built (a cell
@@ -345,8 +400,10 @@ class ShardedCalculator(Calculator):
     device : str or torch.device, optional
         Where this rank evaluates; default ``cuda:<node-local rank % GPUs>``
         when CUDA is available, else CPU.
-    dtype : torch.dtype, optional
-        Precision of the model (it is cast); default: the model's own.
+    dtype : {"float64", "float32"} or torch.dtype, optional
+        Precision of the model (it is cast): ``torch.float64`` or
+        ``torch.float32``, or their names; default: the model's own. Half
+        precision is refused.
     comm : mpi4py communicator, optional
         Default ``MPI.COMM_WORLD`` when mpi4py is loaded, else one rank.
     partition : {"spatial", "contiguous"}
@@ -385,6 +442,11 @@ class ShardedCalculator(Calculator):
     Results (eV, eV/Å, eV/Å³) equal the serial evaluation to round-off and are
     bitwise identical on every rank. ``stress``/``stresses`` exist only when the
     cell has rank 3.
+
+    The arguments are checked when the calculator is made, on every rank: a
+    model that does not follow the protocol raises ``TypeError``, any other
+    invalid argument ``ValueError``, the same error on every rank (under
+    mpirun, reported once).
     """
 
     implemented_properties = ["energy", "free_energy", "energies", "forces", "stress", "stresses"]
@@ -407,44 +469,53 @@ class ShardedCalculator(Calculator):
         neighbor_list: str = "auto",
         **kwargs,
     ):
-        if partition not in PARTITIONS:
-            raise ValueError(f"partition must be one of {PARTITIONS}, not {partition!r}")
-        if skin < 0:
-            raise ValueError(f"skin must be >= 0 Å, not {skin}")
-        if not min_distance >= 0:
-            raise ValueError(f"min_distance must be >= 0 Å, not {min_distance}")
-        if neighbor_list not in NEIGHBOR_LISTS:
-            raise ValueError(
-                f"neighbor_list must be one of {NEIGHBOR_LISTS}, not {neighbor_list!r}"
-            )
-        if halo is None:
-            halo = "layer" if supports_layer_halo(model) else "full"
-        if halo not in HALOS:
-            raise ValueError(f"halo must be one of {HALOS}, not {halo!r}")
-        if halo == "layer" and not supports_layer_halo(model) and int(model.num_layers) > 1:
-            raise ValueError(
-                f"{type(model).__name__} does not exchange features between its layers "
-                "(supports_layer_halo): use halo='full'"
-            )
         Calculator.__init__(self, **kwargs)
         self.comm = Comm(comm)
-        if grid is not None:
-            grid = tuple(int(p) for p in grid)
-            if len(grid) != 3 or int(np.prod(grid)) != self.comm.size:
-                raise ValueError(f"grid {grid} does not multiply to {self.comm.size} ranks")
+        # every rank checks its arguments and model, then one allgather tells every
+        # rank all ranks' errors: they raise the same error together (reported once
+        # under mpirun, see Comm.raised_together), never one rank while the others wait
+        error, digest = None, None
         try:
-            self.device, error = place_rank(device, self.comm), None
+            check_model(model)
+            if partition not in PARTITIONS:
+                raise ValueError(f"partition must be one of {PARTITIONS}, not {partition!r}")
+            skin = _length("skin", skin)
+            min_distance = _length("min_distance", min_distance)
+            if timeout is not None and not (isinstance(timeout, Real) and timeout > 0):
+                raise ValueError(
+                    f"timeout must be a positive number of seconds or None, not {timeout!r}"
+                )
+            if neighbor_list not in NEIGHBOR_LISTS:
+                raise ValueError(
+                    f"neighbor_list must be one of {NEIGHBOR_LISTS}, not {neighbor_list!r}"
+                )
+            if halo is None:
+                halo = "layer" if supports_layer_halo(model) else "full"
+            if halo not in HALOS:
+                raise ValueError(f"halo must be one of {HALOS}, not {halo!r}")
+            if halo == "layer" and not supports_layer_halo(model) and model.num_layers > 1:
+                raise ValueError(
+                    f"{type(model).__name__} does not exchange features between its layers "
+                    "(supports_layer_halo): use halo='full'"
+                )
+            if grid is not None:
+                grid = _rank_grid(grid, self.comm.size)
+            dtype = checked_dtype(dtype, model)
+        except (TypeError, ValueError) as exc:
+            error = describe(exc, self.comm.rank)
+        try:
+            self.device = place_rank(device, self.comm)  # collective: every rank comes
         except ValueError as exc:
-            self.device, error = torch.device("cpu"), describe(exc, self.comm.rank)
-        self.dtype = dtype or model_dtype(model)
-        if self.dtype not in (torch.float32, torch.float64):
-            raise ValueError(
-                f"dtype must be torch.float32 or torch.float64, not {self.dtype}: in half "
-                "precision (float16/bfloat16) edge vectors keep 3 significant digits and "
-                "forces are not usable for MD; pass dtype=torch.float32 to run such a model"
-            )
-        self.model = placed(model, self.device, self.dtype)
-        views = self.comm.allgather((error, model_digest(self.model), self.device.type))
+            self.device = torch.device("cpu")
+            error = error or describe(exc, self.comm.rank)
+        if error is None:
+            try:
+                self.dtype = dtype
+                self.model = placed(model, self.device, self.dtype)
+                digest = model_digest(self.model)
+            except Exception as exc:  # e.g. out of memory on this rank's device
+                error = describe(exc, self.comm.rank)
+        views = self.comm.allgather((error, digest, self.device.type))
         # models that sum their own forces on the host may then split pairs between ranks
         self._on_host_everywhere = all(view[2] == "cpu" for view in views)
         errors = [view[0] for view in views if view[0] is not None]
@@ -713,9 +784,13 @@ class ShardedCalculator(Calculator):
     ) -> str | None:
         """Validate, vote on a rebuild and check the ranks' copies: one allgather.
 
-        Each rank looks at its own share only: the owned rows it evaluates (or,
-        before a rebuild, one slice of the atoms) and two slices of the
-        same-Atoms check. Every rank then raises the same error, or returns
+        Each rank validates its own share only (the owned rows it evaluates,
+        or, before a rebuild, one slice of the atoms), and under SPMD sends the
+        fingerprint of its whole copy (:func:`ase_shard.system.fingerprint`):
+        a copy that differs from rank 0's anywhere is found at this call,
+        before any rank evaluates it, whatever the distance (checking a part of
+        the copy per call let a diverged copy through until a later call, and
+        its results out). Every rank then raises the same error, or returns
         the same rebuild reason (``None``: reuse).
         """
         comm = self.comm
@@ -743,12 +818,7 @@ class ShardedCalculator(Calculator):
         if distributed:
             share = (request.n_atoms, checksum(request.cell), tuple(request.pbc.tolist()))
         elif spmd:
-            slices = check_slices(comm.size, comm.rank, self._calls)
-            share = (
-                (request.n_atoms, checksum(request.cell), tuple(request.pbc.tolist())),
-                self._inputs_digest,
-                slice_checksums(atoms, slices, comm.size),
-            )
+            share = (fingerprint(atoms), self._inputs_digest)
         views = comm.allgather((error, own_reason, share))
         errors = [view[0] for view in views if view[0] is not None]
         if errors:
@@ -760,12 +830,16 @@ class ShardedCalculator(Calculator):
                     "the ranks' DistributedAtoms differ in their number of atoms, cell or pbc "
                     f"(rank by rank: {[view[2] for view in views]}); change them on every rank"
                 )
-        elif spmd and reason is None:
-            if self._compare_shares([view[2] for view in views], request):
-                # the rows fetched and the reuse vote were of the unsynchronised copies
-                reason = "positions re-synchronised from rank 0"
-        elif reason is not None and not self._driven:
-            self._compare_fingerprints(atoms, request)
+            return reason
+        if spmd and self._compare_copies([view[2] for view in views], request):
+            # the rows fetched and the reuse vote were of the unsynchronised copies
+            reason = reason or "positions re-synchronised from rank 0"
+        if reason is not None and not self._driven:
+            # the copies agree: every rank finds the same elements, and the same error
+            try:
+                validate_numbers(atoms.numbers, getattr(self.model, "atomic_types", None))
+            except ValueError as exc:
+                raise rebuild([describe(exc, 0)]) from None
         return reason
 
     def _displacement_reason(
@@ -803,87 +877,68 @@ class ShardedCalculator(Calculator):
             names = np.repeat(np.array(list(shapes), dtype=object), widths)
             raise ValueError(f"per-atom model inputs {sorted(set(names[~finite]))} are not finite")
 
-    def _compare_shares(self, shares: list, request: _Request) -> bool:
-        """Reuse step: the ranks' small fields and checked slices must agree.
+    def _compare_copies(self, shares: list, request: _Request) -> bool:
+        """Every rank's fingerprint and model inputs against rank 0's.
 
-        Returns whether the copies were re-synchronised (see :meth:`_settle`).
+        Returns whether the copies differed and were re-synchronised (see
+        :meth:`_settle`, which raises for any other difference).
         """
-        differing, fixable = [], True
-        for rank, share in enumerate(shares):
-            fields = [
-                name
-                for name, a, b in zip(
-                    ("number of atoms", "cell", "pbc"), shares[0][0], share[0], strict=True
-                )
-                if a != b
-            ] + (["model inputs"] if share[1] != shares[0][1] else [])
-            if fields:
-                differing.append(f"rank {rank}: {', '.join(fields)}")
-                fixable &= fields == ["cell"]
-        if not differing:
-            slices = slice_disagreements(
-                [share[2] for share in shares], request.n_atoms, self._calls
-            )
-            differing = [text for _, text in slices]
-            fixable = all(field == "positions" for field, _ in slices)
+        reference = shares[0]
+        differing = {
+            rank: differing_fields(reference[0], share[0])
+            + (["model inputs"] if share[1] != reference[1] else [])
+            for rank, share in enumerate(shares)
+            if share != reference
+        }
         if differing:
-            self._settle("; ".join(differing), fixable, request)
+            self._settle(differing, request)
         return bool(differing)
 
-    def _settle(self, detail: str, fixable: bool, request: _Request) -> None:
-        """The ranks' copies differ in ``detail``: re-synchronise them, or raise.
+    def _settle(self, differing: dict[int, list[str]], request: _Request) -> None:
+        """The ranks' copies differ (``differing``: fields by rank): re-synchronise, or raise.
 
         Copies that differ only in positions and cell, by at most
         :data:`SYNC_TOLERANCE` Å from rank 0's (round-off, e.g. an optimiser's
         random start on each rank), take rank 0's values, as GPAW does; any
-        other difference raises the same ``ValueError`` on every rank.
+        other difference raises the same ``ValueError`` on every rank, naming
+        each differing rank's fields, how many atoms differ and the first of
+        them, and by how much positions and cell differ (Å).
         """
-        if fixable:
-            atoms = self._copies[-1]
-            # rare, so pickled: rank 0's whole copy
-            positions, cell = self.comm.bcast(
-                (atoms.positions, atoms.cell.array) if self.comm.is_root else None
-            )
-            deviation = max(
-                np.abs(atoms.positions - positions).max(initial=0.0),
-                np.abs(atoms.cell.array - cell).max(),
-            )
-            worst = max(self.comm.allgather(deviation))
-            if worst <= SYNC_TOLERANCE:
-                for copy in self._copies:
-                    copy.positions[:] = positions
-                    copy.cell.array[:] = cell
-                request.cell = cell.copy()
-                return
-            detail += f"; by up to {worst:.3g} Å"
-        raise _diverged(detail)
-
-    def _compare_fingerprints(self, atoms: Atoms, request: _Request) -> None:
-        """Rebuild: every rank's whole copy against rank 0's, and its elements.
-
-        One more allgather (none on one rank); the elements are checked on
-        every rank, so with agreeing copies every rank finds the same error.
-        """
-        error = None
-        try:
-            validate_numbers(atoms.numbers, getattr(self.model, "atomic_types", None))
-        except ValueError as exc:
-            error = describe(exc, 0)
-        if self.comm.size > 1:
-            views = self.comm.allgather((fingerprint(atoms), self._inputs_digest))
-            reference = views[0]
-            differing = {
-                rank: differing_fields(reference[0], view[0])
-                + (["model inputs"] if view[1] != reference[1] else [])
-                for rank, view in enumerate(views)
-                if view != reference
-            }
-            if differing:
-                detail = "; ".join(f"rank {r}: {', '.join(f)}" for r, f in differing.items())
-                fixable = all(set(f) <= {"positions", "cell"} for f in differing.values())
-                self._settle(detail, fixable, request)
-        if error is not None:
-            raise rebuild([error])
+        fields = set().union(*differing.values())
+        if "number of atoms" in fields:  # nothing to compare atom by atom
+            raise _diverged("; ".join(f"rank {r}: {', '.join(f)}" for r, f in differing.items()))
+        atoms = self._copies[-1]
+        # rare, so pickled: rank 0's whole copy
+        numbers, positions, cell = self.comm.bcast(
+            (atoms.numbers, atoms.positions, atoms.cell.array) if self.comm.is_root else None
+        )
+        # bitwise, as the fingerprints compare (NaN differs from NaN)
+        rows = np.flatnonzero(
+            (atoms.numbers != numbers) | (atoms.positions != positions).any(axis=1)
+        )
+        # NaN-propagating maxima: a non-finite copy is never close
+        moved = np.abs(atoms.positions - positions).max(initial=0.0)
+        deviation = np.max([moved, np.abs(atoms.cell.array - cell).max()])
+        views = self.comm.allgather((len(rows), int(rows[0]) if len(rows) else None, deviation))
+        worst = float(np.max([view[2] for view in views]))
+        if fields <= {"positions", "cell"} and worst <= SYNC_TOLERANCE:
+            for copy in self._copies:
+                copy.positions[:] = positions
+                copy.cell.array[:] = cell
+            request.cell = cell.copy()
+            return
+        details = []
+        for rank, names in differing.items():
+            count, first, _ = views[rank]
+            # "numbers, positions of 2 atom(s) from atom 7, cell"
+            last = max((i for i, n in enumerate(names) if n in _PER_ATOM_STATE), default=None)
+            if last is not None and count:
+                names = [*names]
+                names[last] += f" of {count} atom(s) from atom {first}"
+            details.append(f"rank {rank}: {', '.join(names)}")
+        if fields & {"positions", "cell"}:
+            details.append(f"by up to {worst:.3g} Å")
+        raise _diverged("; ".join(details))
 
     # -- 2. rebuild --------------------------------------------------------------------------
 

@@ -520,13 +520,13 @@ def _run_peer(args: argparse.Namespace) -> int:
 
 def _bench_model(spec: ModelSpec, atoms: Atoms, args: argparse.Namespace):
     """The model of ``ase-shard bench``, built identically on every rank."""
-    from ase_shard import bench, md
+    from ase_shard import md, random_models
 
     if spec.source == NO_EDGE:
-        return bench.no_edge_model()
+        return random_models.no_edge_model()
     if spec.kind == "bench":
         layers = {} if args.ml_layers is None else {"num_layers": args.ml_layers}
-        return bench.ML_MODELS[spec.source](
+        return random_models.ML_MODELS[spec.source](
             atoms.numbers,
             cutoff=args.ml_cutoff,
             channels=args.ml_channels,

@@ -55,6 +55,40 @@ def init_mpi() -> None:
             pass
 
 
+def check_ase_world() -> bool:
+    """Warn once (on rank 0) if ASE fixed ``ase.parallel.world`` before MPI was set up.
+
+    Under a launcher, ASE's ``world`` used before ``import ase_shard`` (or
+    mpi4py) has already settled on a one-rank ``DummyMPI`` in every process:
+    every rank then believes it is rank 0, and ``parprint``, ``Trajectory``
+    and ASE's loggers print and write on every rank. Nothing can repair what
+    was written meanwhile, so this says what to change. Returns whether it
+    warned on any rank.
+    """
+    parallel, mpi = sys.modules.get("ase.parallel"), sys.modules.get("mpi4py.MPI")
+    if parallel is None or mpi is None or not launched_by_mpi():
+        return False
+    world = getattr(parallel, "world", None)
+    # ASE's lazy wrapper holds None until first used; a replaced world is itself
+    chosen = world.comm if isinstance(world, parallel.MPI) else world
+    size = mpi.COMM_WORLD.Get_size()
+    if chosen is None or getattr(chosen, "size", size) == size:
+        return False
+    if mpi.COMM_WORLD.Get_rank() == 0:
+        import warnings
+
+        warnings.warn(
+            f"ase.parallel.world was used before 'import ase_shard' and is "
+            f"{type(chosen).__name__} with {getattr(chosen, 'size', '?')} rank(s), while "
+            f"the job has {size}: every rank believes it is rank 0, so parprint, Trajectory "
+            "and ASE's loggers print and write on every rank. Put 'import ase_shard' first "
+            "in the script, before anything touches ase.parallel.world",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return True
+
+
 # "1" or "0": whether MPI takes CUDA device buffers, instead of asking the MPI library
 CUDA_AWARE_MPI_VARIABLE = "ASE_SHARD_CUDA_AWARE_MPI"
 
@@ -121,6 +155,12 @@ class Comm:
             comm = comm.mpi
         if comm is None and "mpi4py.MPI" in sys.modules:
             comm = sys.modules["mpi4py.MPI"].COMM_WORLD
+        if comm is not None and not callable(getattr(comm, "Get_rank", None)):
+            # no communicator to agree on the error: under SPMD every rank passed the
+            # same argument (if not, the exit hook stops waiting and aborts the job)
+            raise raised_on_every_rank(
+                TypeError(f"comm must be an mpi4py communicator or None, not {comm!r}")
+            )
         self.mpi = comm
         self.rank = comm.Get_rank() if comm is not None else 0
         self.size = comm.Get_size() if comm is not None else 1

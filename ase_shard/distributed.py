@@ -23,6 +23,7 @@ from ase import Atoms
 from ase.stress import voigt_6_to_full_3x3_stress
 
 from ase_shard.comm import Comm, describe, rebuild
+from ase_shard.system import checksum
 
 # per-atom array holding each atom's index in the original Atoms
 GLOBAL_ID = "global_id"
@@ -92,14 +93,14 @@ class DistributedAtoms(Atoms):
     def get_masses(self) -> np.ndarray:
         # ASE's MD drivers (MolecularDynamics) ask for the masses when they are made and
         # never for an optimisable: unsafe ones are refused here
-        _refuse_unsafe_driver()
+        _refuse_unsafe_driver(self.comm)
         return super().get_masses()
 
     def __ase_optimizable__(self) -> Any:
         # imported here: ase.optimize pulls in scipy (~0.8 s for every process)
         from ase_shard.dynamics import DistributedOptimizable
 
-        _refuse_unsafe_driver()
+        _refuse_unsafe_driver(self.comm)
         return DistributedOptimizable(self)
 
 
@@ -119,11 +120,14 @@ def distributed_safe(driver: Any) -> bool:
     )
 
 
-def _refuse_unsafe_driver() -> None:
-    """Raise ``TypeError`` if an ASE driver that is not :func:`distributed_safe` is being made."""
+def _refuse_unsafe_driver(comm: Comm) -> None:
+    """Raise ``TypeError`` if an ASE driver that is not :func:`distributed_safe` is being made.
+
+    Every rank builds the same driver (SPMD) and so raises together: reported once.
+    """
     driver = _constructing_driver()
     if driver is not None and not distributed_safe(driver):
-        raise TypeError(
+        error = TypeError(
             f"{type(driver).__name__} cannot run on DistributedAtoms: it keeps per-atom "
             "arrays across force calls (atoms migrate between ranks inside them), sums "
             "over this rank's atoms only, or needs the whole system at once. Use "
@@ -131,6 +135,8 @@ def _refuse_unsafe_driver() -> None:
             "NoseHooverChainNVT, IsotropicMTKNPT, FIRE); or gather() the atoms and run it "
             "on one rank"
         )
+        comm.raised_together(error)
+        raise error
 
 
 def _constructing_driver() -> Any:
@@ -199,14 +205,17 @@ def _agreed_layout(atoms: Atoms, comm: Comm) -> list:
     views = comm.allgather((error, layout))
     errors = [view[0] for view in views if view[0] is not None]
     if errors:
-        raise rebuild(errors)
+        raise _together(rebuild(errors), comm)
     union: dict[str, tuple] = {}
     for _, rank_layout in views:
         for name, dtype, shape in rank_layout:
             if union.setdefault(name, (dtype, shape)) != (dtype, shape):
-                raise ValueError(
-                    f"per-atom array {name!r} differs between ranks: {union[name]} and "
-                    f"{(dtype, shape)}"
+                raise _together(
+                    ValueError(
+                        f"per-atom array {name!r} differs between ranks: {union[name]} and "
+                        f"{(dtype, shape)}"
+                    ),
+                    comm,
                 )
     for name, (dtype, shape) in union.items():
         if name not in atoms.arrays:
@@ -250,7 +259,8 @@ def distribute(
     atoms : Atoms or None
         The whole system on ``root``; other ranks may pass ``None`` (or the
         same system, which is then not sent: each rank takes its share of
-        its own copy).
+        its own copy, when every copy equals the root's bit for bit; else the
+        root's is sent).
     root : int
         The rank whose ``atoms`` counts.
     comm : mpi4py communicator, optional
@@ -275,26 +285,50 @@ def distribute(
             error = describe(exc, comm.rank)
     error, header = comm.bcast((error, header), root=root)
     if error is not None:
-        raise rebuild([error])
+        raise _together(rebuild([error]), comm)
     n_global, layout, cell, pbc, info = header
     counts = np.diff(np.arange(comm.size + 1) * n_global // comm.size)
     span = slice(int(counts[: comm.rank].sum()), int(counts[: comm.rank + 1].sum()))
-    everywhere = all(comm.allgather(atoms is not None and len(atoms) == n_global))
-    if everywhere:
-        rows = _pack(_with_ids(atoms).arrays, layout)[span]
+    packed = _packed_copy(atoms, n_global, layout)
+    # each rank takes its share of its own copy only where every copy is the root's,
+    # bit for bit: a rank's differing copy must not mix into the system
+    digests = comm.allgather(None if packed is None else checksum(packed))
+    if digests[root] is not None and all(digest == digests[root] for digest in digests):
+        rows = packed[span]
     else:
-        send = _pack(_with_ids(atoms).arrays, layout) if comm.rank == root else None
-        width = rows_width(layout)
-        rows = comm.scatter_rows(send, counts, (width,), np.uint8, root=root)
+        send = packed if comm.rank == root else None
+        rows = comm.scatter_rows(send, counts, (rows_width(layout),), np.uint8, root=root)
     local = DistributedAtoms(cell=cell, pbc=pbc, info=info)
     local.arrays = _unpack(rows, layout)
     local.comm, local.n_global = comm, n_global
     return local
 
 
+def _packed_copy(atoms: Any, n_global: int, layout: list) -> np.ndarray | None:
+    """This rank's copy of the system as :func:`_pack`'s rows, ``None`` if it holds none."""
+    if not isinstance(atoms, Atoms) or isinstance(atoms, DistributedAtoms):
+        return None
+    if len(atoms) != n_global:
+        return None
+    arrays = _with_ids(atoms).arrays
+    if any(name not in arrays for name, _, _ in layout):
+        return None
+    try:
+        return _pack(arrays, layout)
+    except ValueError:  # an array of another shape than the root's
+        return None
+
+
 def rows_width(layout: list) -> int:
     """Bytes per atom of :func:`_pack`'s rows."""
     return sum(np.dtype(d).itemsize * int(np.prod(s, dtype=np.int64)) for _, d, s in layout)
+
+
+def _together(error: Exception, comm: Comm) -> Exception:
+    """``error``, marked as raised by every rank of ``comm`` at once (one report, see
+    :meth:`ase_shard.comm.Comm.raised_together`)."""
+    comm.raised_together(error)
+    return error
 
 
 def _with_ids(atoms: Atoms) -> Atoms:
@@ -308,8 +342,8 @@ def _with_ids(atoms: Atoms) -> Atoms:
 
 def _header(atoms: Atoms | None) -> tuple:
     """What every rank needs to know of ``atoms`` before its rows arrive."""
-    if atoms is None:
-        raise ValueError("distribute: the root rank must pass the Atoms")
+    if not isinstance(atoms, Atoms):
+        raise TypeError(f"distribute: the root rank must pass an ase.Atoms, not {atoms!r}")
     if isinstance(atoms, DistributedAtoms):
         raise TypeError("distribute: these atoms are distributed already; gather() them first")
     if atoms.constraints:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -140,6 +141,79 @@ class ShardModel(Protocol):
     atomic_types: Sequence[int] | None
 
     def __call__(self, graph: LocalGraph) -> torch.Tensor: ...
+
+
+# what every model declares (see ShardModel); forward is checked apart
+PROTOCOL = ("cutoff", "num_layers", "atomic_types")
+
+
+def check_model(model: object) -> None:
+    """Refuse what cannot be evaluated as a model, naming what is wrong.
+
+    Raises ``TypeError`` when ``model`` is not a ``torch.nn.Module``, or is
+    one that lacks part of the protocol (:class:`ShardModel`: ``cutoff``,
+    ``num_layers``, ``atomic_types`` and its own ``forward``), and
+    ``ValueError`` when a declaration is out of range (``cutoff`` not a
+    positive, finite distance in Å, ``num_layers`` not a positive integer,
+    ``atomic_types`` neither ``None`` nor atomic numbers). Checked when the
+    calculator is made, so that a wrong model fails there and not at the first
+    calculation.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            "the model must be a torch.nn.Module that follows the model protocol "
+            f"(ase_shard.ShardModel: {', '.join(PROTOCOL)}, forward), not {_described(model)}"
+        )
+    name = type(model).__name__
+    missing = [attribute for attribute in PROTOCOL if not hasattr(model, attribute)]
+    if type(model).forward is torch.nn.Module.forward:
+        missing.append("forward")
+    if missing:
+        raise TypeError(
+            f"{name} does not follow the model protocol (ase_shard.ShardModel): it lacks "
+            f"{', '.join(missing)}; a model declares cutoff (Å), num_layers and atomic_types "
+            "and maps a LocalGraph to per-atom energies (docs/models.md)"
+        )
+    try:
+        cutoff = float(model.cutoff)
+    except (TypeError, ValueError):
+        cutoff = np.nan
+    if not (np.isfinite(cutoff) and cutoff > 0):
+        raise ValueError(f"{name}.cutoff must be a positive distance in Å, not {model.cutoff!r}")
+    layers = model.num_layers
+    if isinstance(layers, bool) or not isinstance(layers, (int, np.integer)) or layers < 1:
+        raise ValueError(f"{name}.num_layers must be a positive integer, not {layers!r}")
+    types = model.atomic_types
+    if types is not None:
+        numbers = np.asarray(types)
+        integral = numbers.dtype.kind in "iu" or numbers.size == 0
+        if numbers.ndim != 1 or not integral or (numbers < 0).any():
+            raise ValueError(
+                f"{name}.atomic_types must be None (any element) or a sequence of atomic "
+                f"numbers, not {types!r}"
+            )
+
+
+def _described(value: object) -> str:
+    """What ``value`` is, for an error message, with the usual fix."""
+    if value is None:
+        return "None"
+    if isinstance(value, type) and issubclass(value, torch.nn.Module):
+        return f"the class {value.__name__}: pass an instance, {value.__name__}(...)"
+    if callable(getattr(value, "get_potential_energy", None)):
+        return (
+            f"an ASE calculator ({type(value).__name__}): ShardedCalculator evaluates a torch "
+            "model, e.g. ase_shard.models.EMT(), LennardJones(...), Morse(...), or an ML "
+            "adapter (docs/models.md)"
+        )
+    if isinstance(value, (str, bytes, os.PathLike)):
+        return f"{value!r}: load the model first (e.g. an ML adapter, docs/models.md)"
+    if callable(value):
+        return (
+            f"the callable {getattr(value, '__qualname__', type(value).__name__)}: wrap it in "
+            "a torch.nn.Module that declares the protocol's attributes"
+        )
+    return f"a {type(value).__name__}"
 
 
 @dataclass(frozen=True)

@@ -335,7 +335,7 @@ def make_calculator(model: torch.nn.Module, args: argparse.Namespace) -> Sharded
         partition=args.partition,
         halo=args.halo,
         device=args.device,
-        dtype=getattr(torch, args.dtype) if args.dtype else None,
+        dtype=args.dtype,
         compile=args.compile,
     )
 

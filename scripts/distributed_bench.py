@@ -19,7 +19,7 @@ On more than one rank, rank 0 also runs the same system alone (its own copy, on
 distributed run step by step: the per-rank cost ratios (``*_over_one_rank``) are
 medians of per-step ratios measured in the same minutes, so the host's changing load
 cancels. Two ceilings are sampled after every pair of steps: the same single-thread work split
-over the ranks (:class:`ase_shard.bench.Ceiling`, in cache) and the same memory-bound
+over the ranks (:class:`ase_shard.bench.machine.Ceiling`, in cache) and the same memory-bound
 numpy passes split over them (:class:`MemoryCeiling`).
 
 Memory per rank: the resident size after start-up (imports, model, a small warm-up
@@ -45,10 +45,11 @@ from ase.md.verlet import VelocityVerlet
 from ase.parallel import DummyMPI
 
 from ase_shard import ShardedCalculator
-from ase_shard.bench import Ceiling, _rss_mb, no_edge_model
+from ase_shard.bench.machine import Ceiling, rss_mb
 from ase_shard.comm import Comm
 from ase_shard.distributed import distribute
 from ase_shard.models import EMT, LennardJones
+from ase_shard.random_models import no_edge_model
 
 MODELS = {
     "no-edge": (no_edge_model, "Cu", 3.61),
@@ -96,7 +97,7 @@ class _Run:
 class MemoryCeiling:
     """The machine's speed-up limit for memory-bound work on ``comm.size`` ranks.
 
-    :class:`ase_shard.bench.Ceiling` runs work that stays in a core's cache. An
+    :class:`ase_shard.bench.machine.Ceiling` runs work that stays in a core's cache. An
     MD step on a million atoms is mostly numpy passes over arrays larger than
     the caches, and both ranks then share the memory bus. Here the same passes
     (as an integrator's: temporaries, products, a comparison, a copy) run over
@@ -150,7 +151,7 @@ def main() -> None:
     warm.calc = ShardedCalculator(MODELS[args.model][0]())
     warm.get_forces()
     del warm
-    fixed_mb = _rss_mb()
+    fixed_mb = rss_mb()
 
     run = _Run(
         distribute(_system(args.model, args.size) if comm.is_root else None), args.model, comm

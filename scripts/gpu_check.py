@@ -57,9 +57,9 @@ from ase import Atoms
 from ase.build import bulk, fcc111
 
 from ase_shard import ShardedCalculator
-from ase_shard.bench import random_sevennet
 from ase_shard.comm import Comm
 from ase_shard.models import EMT, LennardJones
+from ase_shard.random_models import random_sevennet
 
 warnings.filterwarnings("ignore", message="No tensor product accelerator")
 

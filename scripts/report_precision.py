@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from sharded import results, serial_comm  # noqa: E402
 
 from ase_shard import ShardedCalculator  # noqa: E402
-from ase_shard.bench import random_sevennet  # noqa: E402
 from ase_shard.models import EMT  # noqa: E402
+from ase_shard.random_models import random_sevennet  # noqa: E402
 
 
 def systems():

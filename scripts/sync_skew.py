@@ -3,7 +3,7 @@
     mpirun -n 2 .venv/bin/python scripts/sync_skew.py --work-ms 40 15 --steps 60
 
 Every rank runs the benchmark ceiling's fixed single-thread loop
-(:func:`ase_shard.bench._spin`, calibrated to ``--work-ms`` per segment) and then
+(:func:`ase_shard.bench.machine.spin`, calibrated to ``--work-ms`` per segment) and then
 joins one ``allreduce``, for each segment of a step, as EMT's kernel does between
 its passes. Identical work on every rank: whatever a rank waits in the votes is
 the machine's skew between its cores, not the work's. Prints, per rank, the
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ase_shard.bench import _spin
+from ase_shard.bench.machine import spin
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     start = time.perf_counter()
-    _spin(200)
+    spin(200)
     # every rank uses rank 0's calibration, so the work is the same everywhere
     per_iteration = comm.bcast((time.perf_counter() - start) / 200)
     iterations = [max(1, round(ms * 1e-3 / per_iteration)) for ms in args.work_ms]
@@ -41,7 +41,7 @@ def main() -> None:
         step_work, step_waits = [], []
         for count in iterations:
             start = time.perf_counter()
-            _spin(count)
+            spin(count)
             done = time.perf_counter()
             comm.allreduce(0)
             step_work.append(done - start)

@@ -66,6 +66,47 @@ def on_root(compute: Callable[[], object]) -> object:
     return value
 
 
+def fewer_atoms_than_ranks() -> dict[str, Atoms]:
+    """One Cu atom, and a Cu and an Ag atom, in a small triclinic periodic cell.
+
+    Both partitions balance atom counts, so only fewer atoms than ranks leave
+    a rank empty: ``"one"`` from 2 ranks, ``"two"`` from 3. Each atom sees
+    images of itself and of the other atom within 3 Å (cell vectors ~3 Å). The
+    lone atom's forces vanish by symmetry (a Bravais lattice); its energy and
+    stress do not.
+    """
+    cell = [[2.9, 0.0, 0.0], [0.6, 3.1, 0.0], [-0.4, 0.5, 3.3]]
+    one = Atoms("Cu", positions=[[0.2, 0.1, 0.3]], cell=cell, pbc=True)
+    two = Atoms("CuAg", positions=[[0.2, 0.1, 0.3], [1.5, 1.6, 1.4]], cell=cell, pbc=True)
+    return {"one": one, "two": two}
+
+
+def assert_ranks_own_nothing_iff_fewer_atoms(calc, n_atoms: int) -> None:
+    """``calc``'s layout has a rank that owns no atom exactly when ``n_atoms`` < ranks."""
+    owned = [owned for _, owned, _ in calc.layout_counts]
+    assert sum(owned) == n_atoms, owned
+    assert (0 in owned) == (n_atoms < COMM.size), owned
+
+
+# eV/Å: forces this small in a reference vanish by symmetry (a lone atom in its cell)
+VANISHING_FORCE = 1e-12
+
+
+def assert_close_to(got: dict, ref: dict, rtol: float) -> None:
+    """``got`` equals ``ref`` on every key of ``ref``: to ``rtol`` relative (max-abs error
+    over max-abs value), or to ``VANISHING_FORCE`` absolute for forces that vanish in ``ref``."""
+    failures = {}
+    for key, value in ref.items():
+        error = float(np.max(np.abs(np.asarray(got[key]) - value), initial=0.0))
+        scale = float(np.max(np.abs(value), initial=0.0))
+        if key == "forces" and scale < VANISHING_FORCE:
+            if error > VANISHING_FORCE:
+                failures[key] = f"{error:.2e} eV/Å absolute"
+        elif error > rtol * scale:
+            failures[key] = f"{error / scale:.2e} relative"
+    assert not failures, failures
+
+
 def thermalised_cu(repeat: int, temperature_k: float, seed: int) -> Atoms:
     """fcc Cu (a = 3.61 Å), rattled by 0.02 Å, with Maxwell-Boltzmann momenta.
 

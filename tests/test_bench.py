@@ -27,7 +27,9 @@ from background import launch_in_background
 from oracles import ase_results, relative_errors
 from sync_count import Autograd
 
-from ase_shard.bench import FRAMEWORK_PHASES, BareModel, format_summary
+from ase_shard.bench.bare import BareModel
+from ase_shard.bench.framework import FRAMEWORK_PHASES
+from ase_shard.bench.report import format_summary
 from ase_shard.cli import main
 from ase_shard.comm import Comm
 from ase_shard.models import EMT

@@ -59,12 +59,11 @@ def test_parser_imports_no_torch() -> None:
 
 def test_choices_match_the_modules_that_define_them() -> None:
     """cli.py spells out choices that torch-heavy modules define."""
-    from ase_shard import bench, calculator, md, partition
+    from ase_shard import calculator, md, partition, random_models
 
     assert cli.HALOS == calculator.HALOS
     assert cli.PARTITIONS == partition.PARTITIONS
-    assert cli.NO_EDGE == bench.NO_EDGE
-    assert cli.BENCH_MODELS == tuple(bench.ML_MODELS)
+    assert cli.BENCH_MODELS == tuple(random_models.ML_MODELS)
     assert cli.BUILTIN_MODELS == tuple(md.MODELS)
 
 

@@ -284,7 +284,7 @@ def test_rejects_unknown_head_and_models() -> None:
 def test_unsupported_element_is_refused() -> None:
     atoms = bulk("Fe", "bcc", a=2.87, cubic=True)
     atoms.calc = ShardedCalculator(MACE(make_mace("scale_shift")))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"does not support Fe \(it supports Al, Cu, Ag\)"):
         atoms.get_potential_energy()
 
 

@@ -235,7 +235,7 @@ def test_type_map_and_unsupported_species() -> None:
     )
     assert all(err <= RTOL64 for err in errors.values()), errors
     atoms.numbers[0] = 47  # Ag is not mapped
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"does not support Ag \(it supports Cu, Au\)"):
         atoms.get_potential_energy()
 
 

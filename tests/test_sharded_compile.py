@@ -1,4 +1,5 @@
-"""``ShardedCalculator(compile=...)``: padded graphs, equal to eager, few recompiles.
+"""``ShardedCalculator(compile=...)``: padded graphs, equal to eager and to the one-graph
+periodic evaluation (tests/oracles.py), few recompiles.
 
 Uses dynamo's ``aot_eager`` backend (dynamo tracing, guards and AOTAutograd as
 with inductor, without generating code) to stay fast; ``scripts/compile_md.py``
@@ -11,12 +12,30 @@ import numpy as np
 import pytest
 import torch
 import torch._dynamo.utils
-from oracles import relative_errors
-from sharded import COMM, assert_identical_on_all_ranks, random_gas, results
+from oracles import evaluate_periodic_graph, relative_errors
+from sharded import (
+    COMM,
+    assert_close_to,
+    assert_identical_on_all_ranks,
+    assert_ranks_own_nothing_iff_fewer_atoms,
+    fewer_atoms_than_ranks,
+    on_root,
+    random_gas,
+    results,
+)
 from toy_models import ToyMessagePassing
 
 from ase_shard import ShardedCalculator
 from ase_shard.padding import Capacities
+
+RTOL = 1e-10
+
+
+def assert_matches_oracle(got: dict, model, atoms) -> None:
+    """``got`` equals the one-graph periodic evaluation of ``model`` (rank 0's, broadcast)."""
+    oracle = on_root(lambda: evaluate_periodic_graph(model, atoms))
+    errors = relative_errors(got, {key: oracle[key] for key in got})
+    assert all(err <= RTOL for err in errors.values()), errors
 
 
 @torch._dynamo.register_backend
@@ -52,6 +71,7 @@ def test_compiled_equals_eager_through_migration() -> None:
         got = results(compiled)
         errors = relative_errors(got, results(eager))
         assert all(err <= 1e-12 for err in errors.values()), errors
+        assert_matches_oracle(got, model, compiled)
         assert_identical_on_all_ranks(got)
     assert calc.rebuilds == 5
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -70,6 +90,7 @@ def test_a_backend_failure_runs_eagerly_with_a_warning() -> None:
         got = results(_attached(atoms, compiled))
     errors = relative_errors(got, results(_attached(atoms, eager)))
     assert all(err <= 1e-12 for err in errors.values()), errors
+    assert_matches_oracle(got, model, atoms)
     assert compiled.compile_fallbacks >= 1
     assert eager.compile_fallbacks == 0
 
@@ -78,3 +99,16 @@ def _attached(atoms, calc):
     atoms = atoms.copy()
     atoms.calc = calc
     return atoms
+
+
+def test_compiled_with_ranks_that_own_nothing() -> None:
+    """One atom: from two ranks on, the empty ranks run the padded graph and join every
+    exchange."""
+    torch._dynamo.reset()
+    atoms = fewer_atoms_than_ranks()["one"]
+    model = ToyMessagePassing(cutoff=4.0, num_layers=3)
+    atoms.calc = calc = ShardedCalculator(model, compile="aot_eager", halo="layer")
+    got = results(atoms)
+    assert_ranks_own_nothing_iff_fewer_atoms(calc, len(atoms))
+    assert_close_to(got, on_root(lambda: evaluate_periodic_graph(model, atoms)), RTOL)
+    assert_identical_on_all_ranks(got)

@@ -3,7 +3,8 @@ NequIP with the per-layer halo (its default) and the full halo.
 
 Plain pytest runs one rank; ``mpirun -n P python -m pytest --with-mpi
 tests/test_sharded_nequip.py`` runs P. Every rank builds the same seeded
-models and evaluates nequip's (serial) calculator itself as the reference.
+models; rank 0 evaluates nequip's (serial) calculator as the reference and
+broadcasts it.
 """
 
 from __future__ import annotations
@@ -17,9 +18,14 @@ import pytest  # noqa: E402
 pytest.importorskip("nequip")
 pytest.importorskip("allegro")
 
-from ase import Atoms  # noqa: E402
 from oracles import ase_results  # noqa: E402
-from sharded import assert_identical_on_all_ranks  # noqa: E402
+from sharded import (  # noqa: E402
+    assert_close_to,
+    assert_identical_on_all_ranks,
+    assert_ranks_own_nothing_iff_fewer_atoms,
+    fewer_atoms_than_ranks,
+    on_root,
+)
 from sync_count import assert_block_syncs_only, assert_split_equals_whole, reuse_step  # noqa: E402
 from test_nequip import (  # noqa: E402
     BUILDERS,
@@ -59,11 +65,11 @@ def _model(kind: str):
 
 
 def _reference(kind: str, system: str) -> dict:
-    """nequip's calculator on this rank (cached across partitions)."""
+    """nequip's calculator (rank 0's, broadcast; cached across partitions)."""
     if (kind, system) not in _REFERENCES:
         atoms = SYSTEMS[system]()
-        atoms.calc = nequip_calculator(_model(kind))
-        _REFERENCES[kind, system] = ase_results(atoms.calc, atoms)
+        reference = on_root(lambda: ase_results(nequip_calculator(_model(kind)), atoms))
+        _REFERENCES[kind, system] = reference
     return _REFERENCES[kind, system]
 
 
@@ -98,15 +104,17 @@ def test_layer_halo_equals_full_halo(kind: str, system: str, partition: str) -> 
     assert all(err <= RTOL64 for err in errors.values()), errors
 
 
-def test_layer_halo_with_empty_ranks() -> None:
-    """Three atoms: from 4 ranks on some own nothing, yet join every exchange."""
-    atoms = Atoms("CuAuAg", positions=[[0.0, 0.0, 0.0], [2.5, 0.0, 0.0], [2.5, 2.4, 0.3]])
-    reference = atoms.copy()
-    reference.calc = nequip_calculator(_model("nequip-3-resnet"))
-    atoms.calc = ShardedCalculator(NequIP(_model("nequip-3-resnet")))
-    got = ase_results(atoms.calc, atoms)
-    errors = relative_errors(got, ase_results(reference.calc, reference))
-    assert all(err <= RTOL64 for err in errors.values()), errors
+@pytest.mark.parametrize("name", ["one", "two"])
+@pytest.mark.parametrize("kind", ["nequip-3-resnet", "allegro"])
+def test_ranks_that_own_nothing(kind: str, name: str) -> None:
+    """Fewer atoms than ranks: empty ranks join every exchange (NequIP's layer halo) or
+    hold nothing (Allegro's full halo), and the results are nequip's calculator's."""
+    atoms = fewer_atoms_than_ranks()[name]
+    reference = on_root(lambda: ase_results(nequip_calculator(_model(kind)), atoms))
+    atoms.calc = calc = ShardedCalculator(_ADAPTERS[kind](_model(kind)))
+    got = ase_results(calc, atoms)
+    assert_ranks_own_nothing_iff_fewer_atoms(calc, len(atoms))
+    assert_close_to(got, reference, RTOL64)
     assert_identical_on_all_ranks(got)
 
 

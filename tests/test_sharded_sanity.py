@@ -93,8 +93,9 @@ def test_coincident_atoms_raise_without_min_distance(distance: float) -> None:
 
 
 def test_min_distance_is_validated() -> None:
-    with pytest.raises(ValueError, match="min_distance must be >= 0"):
-        ShardedCalculator(EMT(), min_distance=-1.0)
+    for bad in -1.0, float("nan"), "x":
+        with pytest.raises(ValueError, match=r"min_distance must be a finite distance >= 0 Å"):
+            ShardedCalculator(EMT(), min_distance=bad)
 
 
 def test_unavailable_device_is_a_value_error() -> None:
