@@ -79,7 +79,9 @@ $(STAMP): setup.cfg pyproject.toml $(call broken,$(STAMP),$(VENV_CHECK))
 	$(VENV_CHECK) || $(call still_broken,$(VENV))
 	touch $@
 
-$(MACE_STAMP): setup.cfg pyproject.toml $(call broken,$(MACE_STAMP),$(MACE_CHECK))
+# (the MACE environment is checked only when a goal uses it: `make lint` stays quick)
+$(MACE_STAMP): setup.cfg pyproject.toml \
+		$(if $(filter test $(MACE_STAMP),$(MAKECMDGOALS)),$(call broken,$(MACE_STAMP),$(MACE_CHECK)))
 	test -x $(MACE_BIN)/python || $(PYTHON) -m venv $(VENV_MACE)
 	$(MACE_BIN)/python -m pip install -q --upgrade pip
 	$(MACE_BIN)/python -m pip install -q $(TORCH)
