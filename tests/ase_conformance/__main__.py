@@ -1,0 +1,23 @@
+"""``python -m tests.ase_conformance [pytest options]``: ASE's own tests with our calculator.
+
+Run from the repository root, in one process or under ``mpirun -n P``; see ``swap.py``.
+The test directory is given by path, not ``--pyargs``: pytest would also load the
+``conftest.py`` of ``tests/`` under the working directory.
+"""
+
+import sys
+from pathlib import Path
+
+import ase.test
+import pytest
+
+import ase_shard  # noqa: F401  (initialises MPI before ASE touches ase.parallel.world)
+
+ASE_TESTS = Path(ase.test.__file__).parent
+
+sys.exit(
+    pytest.main(
+        ["-p", "tests.ase_conformance.swap", "-p", "no:cacheprovider", str(ASE_TESTS)]
+        + sys.argv[1:]
+    )
+)
