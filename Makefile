@@ -78,7 +78,7 @@ test: lint $(MACE_STAMP)
 # ASE's own tests that use EMT, LennardJones or MorsePotential, with ShardedCalculator in
 # their place (tests/ase_conformance, docs/reliability.md): in one process, then on every
 # rank of mpirun -n 2. ASE's CLI tests call `ase`, hence the PATH.
-CONFORMANCE := $(BIN)/python -m tests.ase_conformance -q -rs
+CONFORMANCE := $(BIN)/python -m tests.ase_conformance -q -rsx
 
 .PHONY: conformance
 conformance: $(STAMP)
