@@ -5,6 +5,7 @@ The test directory is given by path, not ``--pyargs``: pytest would also load th
 ``conftest.py`` of ``tests/`` under the working directory.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -14,6 +15,12 @@ import pytest
 import ase_shard  # noqa: F401  (initialises MPI before ASE touches ase.parallel.world)
 
 ASE_TESTS = Path(ase.test.__file__).parent
+# subprocesses that unpickle our calculator classes (ASE's PySocketIOClient) import them
+# from tests.ase_conformance.swap, from their own working directory
+REPOSITORY = str(Path(__file__).resolve().parents[2])
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [REPOSITORY, *filter(None, [os.environ.get("PYTHONPATH")])]
+)
 
 sys.exit(
     pytest.main(
