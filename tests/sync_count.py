@@ -39,6 +39,7 @@ import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from unittest import mock
 
 import numpy as np
@@ -47,6 +48,7 @@ from oracles import rel_err
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import ase_shard
 from ase_shard.block import RESULT_COLUMNS, LocalBlock
 from ase_shard.graph import model_dtype, receptive_field
 from ase_shard.halo import rank_rows
@@ -77,6 +79,8 @@ _FACTORIES = {torch.tensor, torch.as_tensor, torch.asarray}
 # operators that launch no kernel
 _NO_KERNEL = {aten.lift_fresh, aten.empty, aten.empty_strided, aten.new_empty, aten.alias}
 _TORCH = os.sep + "torch" + os.sep
+# the folders that hold the package and these tests: paths are shown from there on
+_ROOTS = (Path(ase_shard.__file__).resolve().parents[1], Path(__file__).resolve().parents[1])
 
 
 @dataclass
@@ -94,6 +98,7 @@ class Syncs:
     events: list[Sync] = field(default_factory=list)
     pending: bool = False  # kernels queued since the last wait
     quiet: int = 0  # inside an operation whose syncs happen on a CPU only
+    received_bytes: int = 0  # from other ranks, in the step :func:`reuse_step` counted
     _host: dict[int, torch.Tensor] = field(default_factory=dict)  # data pointer -> tensor
 
     def record(self, what: str) -> None:
@@ -114,13 +119,18 @@ def _address(tensor: torch.Tensor) -> int:
 
 
 def _short(path: str) -> str:
-    """``path`` from the package or test folder on (``ase_shard/block.py``, ``sevenn/...``)."""
-    parts = path.split(os.sep)
+    """``path`` from the package or test folder on (``ase_shard/block.py``, ``sevenn/...``).
+
+    Found from where ase_shard and these tests were imported, never from folder names:
+    a checkout is often itself called ``ase_shard``.
+    """
+    resolved = Path(path).resolve()
+    for root in _ROOTS:
+        if resolved.is_relative_to(root):
+            return resolved.relative_to(root).as_posix()
+    parts = resolved.parts
     if "site-packages" in parts:
         return "/".join(parts[parts.index("site-packages") + 1 :])
-    for anchor in ("ase_shard", "tests"):
-        if anchor in parts:
-            return "/".join(parts[len(parts) - 1 - parts[::-1].index(anchor) :])
     return path
 
 
@@ -284,8 +294,10 @@ def reuse_step(atoms, move: float = 0.02, seed: int = 0) -> Syncs:
     rng = np.random.default_rng(seed)
     for _ in range(2):
         atoms.positions = atoms.positions + rng.uniform(-move, move, atoms.positions.shape)
+        received = atoms.calc.comm.received_bytes
         with count_syncs() as syncs:
             atoms.get_forces()
+    syncs.received_bytes = atoms.calc.comm.received_bytes - received
     assert atoms.calc.rebuilds == rebuilds, "the counted step rebuilt the layout"
     return syncs
 

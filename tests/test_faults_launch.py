@@ -1,11 +1,12 @@
 """Fault matrix, launched part: dying ranks and drivers end the job, with no orphans.
 
 Each case starts its own ``timeout ... mpirun ...`` (or a spawning Python) on a
-script of ``tests/fault_scripts``, snapshots the process tree when the script
-prints ``ready``, and checks the exit status, the time from the injected fault
-(the ``fault`` line) to the end of the job, and that every process of the tree
-is gone. Run by plain pytest (``make test``'s serial step); docs/reliability.md
-lists the outcomes and times.
+script of ``tests/fault_scripts`` in a session of its own, records every process
+of the job while it runs (:class:`Members`: the launcher's descendants, polled, and
+at the end everything still in its session), and checks the exit status, the time
+from the injected fault (the ``fault`` line) to the end of the job, and that every
+recorded process is gone, whatever the script printed. Run by plain pytest
+(``make test``'s serial step); docs/reliability.md lists the outcomes and times.
 
 The launches are independent process trees, so the module starts those of the
 selected tests :data:`AT_ONCE` at a time (:func:`launches`): a job spends part of
@@ -55,6 +56,7 @@ class Outcome:
     returncode: int
     lines: list[str] = field(default_factory=list)
     seconds_after_fault: float | None = None
+    processes: int = 0  # the processes of the job that were seen (the launcher's not counted)
     leftovers: list[str] = field(default_factory=list)
 
     @property
@@ -67,6 +69,44 @@ def _alive(process: psutil.Process) -> bool:
         return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+POLL_S = 0.2  # how often a launch's processes are listed while it runs
+
+
+class Members:
+    """Every process a launch started: the launcher's descendants, listed every
+    :data:`POLL_S` while it runs (a process that leaves the session, as a daemon does,
+    is seen while it is still a descendant), and at the end the processes still in its
+    session (an orphan is no descendant any more, but keeps the session).
+
+    Processes are kept as :class:`psutil.Process`, which remember their start time:
+    a pid reused by an unrelated process later does not count.
+    """
+
+    def __init__(self, leader: int):
+        self.leader = psutil.Process(leader)
+        self.seen: dict[int, psutil.Process] = {}
+
+    def poll(self) -> None:
+        try:
+            descendants = self.leader.children(recursive=True)
+        except psutil.NoSuchProcess:
+            return
+        for process in descendants:
+            self.seen.setdefault(process.pid, process)
+
+    def add_session(self) -> None:
+        """The processes still in the leader's session (its id is the leader's pid)."""
+        for process in psutil.process_iter():
+            try:
+                if os.getsid(process.pid) == self.leader.pid:
+                    self.seen.setdefault(process.pid, process)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def alive(self) -> list[psutil.Process]:
+        return [process for process in self.seen.values() if _alive(process)]
 
 
 def launch(*args: str, timeout: int = TIMEOUT_S) -> Outcome:
@@ -85,31 +125,40 @@ def launch(*args: str, timeout: int = TIMEOUT_S) -> Outcome:
         text=True,
         start_new_session=True,
     )
-    tree: list[psutil.Process] = []
+    members = Members(process.pid)
     fault_at: list[float] = []
     outcome = Outcome(returncode=-1)
 
     def read() -> None:
         for line in process.stdout:
             outcome.lines.append(line.rstrip())
-            if line.startswith("ready") and not tree:
-                tree.extend(psutil.Process(process.pid).children(recursive=True))
-            elif line.startswith("fault") and not fault_at:
+            if line.startswith("fault") and not fault_at:
                 fault_at.append(time.monotonic())
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    outcome.returncode = process.wait(timeout=timeout + 30)
+    deadline = time.monotonic() + timeout + 30
+    while process.poll() is None:
+        members.poll()
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(command, timeout + 30)
+        time.sleep(POLL_S)
+    outcome.returncode = process.returncode
     ended = time.monotonic()
+    members.add_session()
     reader.join(timeout=5)
     if fault_at:
         outcome.seconds_after_fault = ended - fault_at[0]
-    deadline = ended + 10
-    while any(_alive(p) for p in tree) and time.monotonic() < deadline:
+    outcome.processes = len(members.seen)
+    grace = ended + 10
+    while members.alive() and time.monotonic() < grace:
         time.sleep(0.2)
-    for survivor in [p for p in tree if _alive(p)]:
-        outcome.leftovers.append(f"{survivor.pid} {' '.join(survivor.cmdline())}")
-        survivor.kill()
+    for survivor in members.alive():
+        try:
+            outcome.leftovers.append(f"{survivor.pid} {' '.join(survivor.cmdline())}")
+            survivor.kill()
+        except psutil.NoSuchProcess:
+            pass
     return outcome
 
 
@@ -128,14 +177,25 @@ def mpirun(script: str, *args: str, python: tuple[str, ...] = (), **kwargs) -> O
     )
 
 
-def assert_job_ended(outcome: Outcome) -> None:
+def assert_nothing_left(outcome: Outcome, started: int) -> None:
+    """At least ``started`` processes of the job were seen, and none is left."""
+    assert outcome.processes >= started, (outcome.processes, outcome.output)
+    assert not outcome.leftovers, outcome.leftovers
+
+
+# the processes a launch starts at least: mpirun and its ranks; a driver and its worker
+MPIRUN_STARTS = RANKS + 1
+SPAWN_STARTS = 2
+
+
+def assert_job_ended(outcome: Outcome, started: int = MPIRUN_STARTS) -> None:
     """Non-zero exit soon after the fault, nobody finished, no process left."""
     print(f"exit status {outcome.returncode}, {outcome.seconds_after_fault} s after the fault")
     assert outcome.returncode not in (0, 124), outcome.output
     assert outcome.seconds_after_fault is not None, outcome.output
     assert outcome.seconds_after_fault < BOUND_S, outcome.output
     assert "must not" not in outcome.output
-    assert not outcome.leftovers, outcome.leftovers
+    assert_nothing_left(outcome, started)
 
 
 def spawn(mode: str) -> Outcome:
@@ -211,14 +271,14 @@ def test_serve_fault_ends_the_job(mode: str, outcome: Outcome) -> None:
 
 @pytest.mark.parametrize("mode", ["kill", "raise", "worker-kill"])
 def test_spawn_fault_leaves_no_workers(mode: str, outcome: Outcome) -> None:
-    assert_job_ended(outcome)
+    assert_job_ended(outcome, SPAWN_STARTS)
 
 
 def test_spawn_model_the_workers_cannot_load(outcome: Outcome) -> None:
     assert outcome.returncode == 0, outcome.output
     assert "could not load the model" in outcome.output
     assert "LocalEMT" in outcome.output and "[rank 1]" in outcome.output
-    assert not outcome.leftovers
+    assert_nothing_left(outcome, SPAWN_STARTS)
 
 
 # -- 3: input faults that end a process today ------------------------------------------
@@ -235,6 +295,7 @@ def test_atom_a_billion_angstrom_away(outcome: Outcome) -> None:
     assert outcome.returncode == 0, outcome.output
     error = float(outcome.output.split("far-atom error=")[1].split()[0])
     assert error <= 1e-10
+    assert_nothing_left(outcome, MPIRUN_STARTS)
 
 
 # -- 4: an error every rank raised together ---------------------------------------------
@@ -247,7 +308,7 @@ def test_error_on_every_rank_is_reported_once(outcome: Outcome) -> None:
     assert outcome.output.count("closer than min_distance") == 1, outcome.output
     assert "atoms 4 and 9 are 0.3464 Å apart" in outcome.output
     assert "MPI_ABORT" not in outcome.output and "uncaught" not in outcome.output
-    assert not outcome.leftovers, outcome.leftovers
+    assert_nothing_left(outcome, MPIRUN_STARTS)
 
 
 def test_error_caught_on_one_rank_still_ends_the_job(outcome: Outcome) -> None:

@@ -44,6 +44,7 @@ def failing_backend(graph, example_inputs):
     raise RuntimeError("this backend always fails")
 
 
+@pytest.mark.rank_independent
 def test_capacities_grow_geometrically() -> None:
     first = Capacities().grown(Capacities(10, 4, 100))
     assert first == Capacities(15, 6, 150)

@@ -156,6 +156,7 @@ FIXCM_DEPRECATED = "ignore:The implementation of `fixcm=True`:FutureWarning"
 
 @pytest.mark.filterwarnings(FIXCM_DEPRECATED)
 @pytest.mark.parametrize("fixcm", [False, True])
+@pytest.mark.rank_independent
 def test_langevin_on_one_rank_equals_ase(fixcm: bool) -> None:
     """One rank draws from ``rng`` itself: the distributed step equals ASE's on the same noise."""
     steps, start = 20, thermalised_cu(2, 300.0, seed=7)
@@ -496,6 +497,7 @@ ON_PLAIN_ATOMS = {
 
 
 @pytest.mark.parametrize("name", sorted(ON_PLAIN_ATOMS))
+@pytest.mark.rank_independent
 def test_drivers_on_plain_atoms_equal_ase(name: str) -> None:
     """On an ordinary Atoms each driver is ASE's, bit for bit (rank 0 runs both)."""
     ours, ase_driver = ON_PLAIN_ATOMS[name]

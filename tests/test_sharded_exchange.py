@@ -55,7 +55,7 @@ def random_plan(seed: int = 3):
             (owner, int(index))
             for owner in range(size)
             if owner != rank and owned[owner]
-            for index in rng.integers(0, owned[owner], int(rng.integers(0, 5)))
+            for index in rng.integers(0, owned[owner], int(rng.integers(1, 5)))
         ]
         sources.append(ghosts)
     return owned, sources

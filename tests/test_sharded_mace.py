@@ -120,6 +120,7 @@ def test_no_sync_in_a_reuse_step(model_and_file, halo: str) -> None:
     assert_block_syncs_only(reuse_step(atoms), calc._block)
 
 
+@pytest.mark.rank_independent
 def test_split_full_halo_blocks_sum_to_one_block(model_and_file) -> None:
     """Three ranks' full-halo blocks in one process add up to one rank's, with each
     layer restricted by hop count (no sync) or whole (as compiled, without hops)."""

@@ -131,6 +131,7 @@ def test_no_sync_in_a_reuse_step(kind: str, halo: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["nequip-3-resnet", "allegro"])
+@pytest.mark.rank_independent
 def test_split_full_halo_blocks_sum_to_one_block(kind: str) -> None:
     """Three ranks' full-halo blocks in one process add up to one rank's, with each
     layer restricted by hop count (no sync) or whole (as compiled, without hops)."""

@@ -102,6 +102,7 @@ def test_halo_one_cutoff_too_thin_is_wrong() -> None:
 
 
 @pytest.mark.parametrize("halo", ["full", "layer"])
+@pytest.mark.rank_independent
 def test_one_rank_evaluates_no_ghosts(halo: str) -> None:
     """On one rank, periodic images are edges to owned atoms, not ghost atoms."""
     atoms = random_gas((True, True, True))

@@ -104,6 +104,7 @@ def test_unavailable_device_is_a_value_error() -> None:
             ShardedCalculator(EMT(), device=device)
 
 
+@pytest.mark.rank_independent
 def test_change_check_reports_what_ases_compare_atoms_reports() -> None:
     """The calculator settles positions and numbers without np.allclose: same verdicts."""
     atoms = _rattled_cu(2)
@@ -131,6 +132,7 @@ def test_change_check_reports_what_ases_compare_atoms_reports() -> None:
         ), name
 
 
+@pytest.mark.rank_independent
 def test_exact_first_comparison_agrees_with_allclose_across_chunks() -> None:
     """Differences anywhere in arrays longer than one compared chunk, within tol or not."""
     tol = 1e-15

@@ -1,7 +1,8 @@
 """How halo rows reach MPI: reused staging buffers, ``alltoallv_rows(out=)``, CUDA-aware MPI.
 
-Runs at any rank count (plain pytest: one rank; under mpirun: several). The
-pinned buffers need CUDA; everything else runs on the CPU.
+The buffers' tests are ``rank_independent`` (one process); the exchanges' run in
+one process and under mpirun, where they assert that rows came from the other
+ranks. The pinned buffers need CUDA; everything else runs on the CPU.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def byte_rows(n: int, width: int, seed: int, device: str = "cpu") -> torch.Tenso
     return torch.randint(0, 256, (n, width), dtype=torch.uint8, generator=generator).to(device)
 
 
+@pytest.mark.rank_independent
 def test_send_buffer_is_reused_and_grows() -> None:
     staging = StagingBuffers(pin=False)
     first = byte_rows(4, 24, seed=1)
@@ -39,6 +41,7 @@ def test_send_buffer_is_reused_and_grows() -> None:
     assert staging.send.data_ptr() == grown  # never shrinks back
 
 
+@pytest.mark.rank_independent
 def test_receive_buffer_is_reused_and_grows() -> None:
     staging = StagingBuffers(pin=False)
     view = staging.receive((5, 8))
@@ -58,6 +61,7 @@ def overlaps(tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
     return start < buffer.data_ptr() + buffer.nbytes and buffer.data_ptr() < end
 
 
+@pytest.mark.rank_independent
 def test_device_copies_do_not_share_the_receive_buffer() -> None:
     """A result the caller holds is not changed by the next exchange's receive."""
     staging = StagingBuffers(pin=False)
@@ -72,6 +76,7 @@ def test_device_copies_do_not_share_the_receive_buffer() -> None:
         assert not overlaps(held, staging.recv)
 
 
+@pytest.mark.rank_independent
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_pinned_buffers_on_cuda() -> None:
     """Page-locked, reused, and not overwritten while a copy out of them may still run."""
@@ -95,11 +100,19 @@ def test_pinned_buffers_on_cuda() -> None:
     assert torch.equal(on_device.cpu(), expected)
 
 
+def sent_rows(rank: int) -> np.ndarray:
+    """What ``rank`` sends: two rows of three to every rank, in rank order, marked by ``rank``."""
+    return np.arange(COMM.size * 2 * 3, dtype=np.float64).reshape(-1, 3) + 100 * rank
+
+
 def test_alltoallv_rows_into_out() -> None:
-    """``out`` receives exactly what a new array would, and is what comes back."""
-    rows = np.arange(COMM.size * 2 * 3, dtype=np.float64).reshape(-1, 3) + 100 * COMM.rank
-    counts = np.full(COMM.size, 2)
-    expected = COMM.alltoallv_rows(rows, counts, counts)
+    """A new array and ``out`` (numpy or torch, then returned) both receive, from every
+    rank, the two rows it sent here; under mpirun they come from the other ranks."""
+    rows, counts = sent_rows(COMM.rank), np.full(COMM.size, 2)
+    here = slice(2 * COMM.rank, 2 * COMM.rank + 2)
+    expected = np.concatenate([sent_rows(rank)[here] for rank in range(COMM.size)])
+    received = COMM.received_bytes
+    np.testing.assert_array_equal(COMM.alltoallv_rows(rows, counts, counts), expected)
     out = np.empty_like(expected)
     assert COMM.alltoallv_rows(rows, counts, counts, out=out) is out
     np.testing.assert_array_equal(out, expected)
@@ -107,6 +120,8 @@ def test_alltoallv_rows_into_out() -> None:
     got = COMM.alltoallv_rows(torch.from_numpy(rows), counts, counts, out=tensor_out)
     assert got is tensor_out
     np.testing.assert_array_equal(tensor_out.numpy(), expected)
+    from_others = 3 * 2 * 3 * 8 * (COMM.size - 1)  # three calls, two rows of three float64
+    assert COMM.received_bytes - received == from_others
 
 
 @pytest.mark.parametrize(
@@ -161,6 +176,7 @@ def test_exchanges_reuse_one_buffer(transport: str) -> None:
     send_index = np.tile([0, 1], len(others))
     exchange = HaloExchange(COMM, 3, send_index, counts, counts, "cpu", transport=transport)
     buffers = set()
+    received = COMM.received_bytes
     for seed in range(3):
         features = torch.rand((3, 5), generator=torch.Generator().manual_seed(seed))
         exchange.new_evaluation(torch.float32)
@@ -172,3 +188,4 @@ def test_exchanges_reuse_one_buffer(transport: str) -> None:
         assert not overlaps(out, exchange.staging.recv)
         buffers.add(exchange.staging.recv.data_ptr())
     assert len(buffers) == 1
+    assert COMM.received_bytes - received == 3 * len(others) * 2 * 5 * 4  # rows of 5 float32

@@ -6,10 +6,14 @@ inherent sync, the edges within the cutoff (with their counts per hop level in
 the same copy), plus the copy of the results at its end; the halo exchange's
 host round trips are the exchange's own. These tests count the syncs on the
 CPU: the counter itself, the block's two ways to find the kept edges, and EMT
-and a message-passing toy model through the calculator (at any rank count) and
-through every rank's block of a three-way split built in one process (full
-halo: ghosts, hop counts and edges left out). The ML adapters' tests are in
+and a message-passing toy model through the calculator (in one process, and
+under mpirun with its halo exchanged between ranks) and through every rank's
+block of a three-way split built in one process (full halo: ghosts, hop counts
+and edges left out). The ML adapters' tests are in
 ``tests/test_sharded_<family>.py``.
+
+Only the calculator's test depends on the rank count; the others are
+``rank_independent`` (one process; deselected under mpirun).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from ase_shard.models import EMT
 HERE = "tests/test_sync_count.py"
 
 
+@pytest.mark.rank_independent
 def test_the_counter_sees_each_kind_of_sync() -> None:
     x = torch.arange(10.0, device="cpu")  # a device tensor: made with an explicit device
     mask = x > 4.5
@@ -74,6 +79,7 @@ def test_the_counter_sees_each_kind_of_sync() -> None:
     }
 
 
+@pytest.mark.rank_independent
 def test_the_counter_sees_backward_and_late_uploads() -> None:
     x = torch.arange(6.0, device="cpu").requires_grad_()
     here = f"{HERE}:test_the_counter_sees_backward_and_late_uploads"
@@ -91,6 +97,7 @@ def test_the_counter_sees_backward_and_late_uploads() -> None:
     assert grad.tolist() == [0.0, 0.0, 0.0, 2.0, 2.0, 2.0]
 
 
+@pytest.mark.rank_independent
 def test_the_counter_lets_pass_what_does_not_sync() -> None:
     x = torch.arange(10.0, device="cpu")
     with count_syncs() as syncs:
@@ -112,6 +119,7 @@ def test_the_counter_lets_pass_what_does_not_sync() -> None:
     assert [event.what for event in syncs.events] == ["Tensor.cpu"]
 
 
+@pytest.mark.rank_independent
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_kept_edges_on_a_device_equal_those_on_the_host(seed: int) -> None:
     """The accelerator's way (counts first, one copy) finds the same edges and counts."""
@@ -126,6 +134,7 @@ def test_kept_edges_on_a_device_equal_those_on_the_host(seed: int) -> None:
     assert kept == [int(keep[:end].sum()) for end in ends]
 
 
+@pytest.mark.rank_independent
 def test_hop_counts() -> None:
     """A chain 0 <- 1 <- 2 <- 3 plus an isolated node 4; node 0 is owned."""
     centre = torch.tensor([0, 1, 2, 1, 2, 3])
@@ -147,11 +156,16 @@ def _models() -> dict:
 @pytest.mark.parametrize("halo", ["layer", "full"])
 @pytest.mark.parametrize("name", ["emt", "toy"])
 def test_one_sync_per_reuse_step(name: str, halo: str) -> None:
+    """In one process, and on every rank under mpirun, where the counted step receives
+    data from the other ranks."""
     atoms = thermalised_cu(3, 300.0, seed=4)
     atoms.calc = calc = ShardedCalculator(_models()[name](), halo=halo)
-    assert_block_syncs_only(reuse_step(atoms), calc._block)
+    syncs = reuse_step(atoms)
+    assert_block_syncs_only(syncs, calc._block)
+    assert (syncs.received_bytes > 0) == (calc.comm.size > 1)
 
 
+@pytest.mark.rank_independent
 @pytest.mark.parametrize("name", ["emt", "toy"])
 def test_split_full_halo_blocks_sum_to_one_block(name: str) -> None:
     """Three ranks' full-halo blocks in one process add up to one rank's, with each

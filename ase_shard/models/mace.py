@@ -140,6 +140,11 @@ class MACE(torch.nn.Module):
         z_to_index = torch.full((max(numbers) + 1,), -1, dtype=torch.int64)
         z_to_index[torch.tensor(numbers)] = torch.arange(len(numbers))
         self.register_buffer("z_to_index", z_to_index, persistent=False)
+        # E0 of the head by atomic number (eV), on the host: reference_energies is read
+        # every step and must not wait for a device
+        e0 = torch.atleast_2d(model.atomic_energies_fn.atomic_energies)[self.head_index]
+        self._e0_by_z = np.full(max(numbers) + 1, np.nan)
+        self._e0_by_z[numbers] = e0.detach().double().cpu().numpy()
 
         self._interaction_kwargs = [
             _accepted(block, ("cutoff", "first_layer", "lammps_class", "lammps_natoms"))
@@ -153,9 +158,7 @@ class MACE(torch.nn.Module):
         ``ShardedCalculator`` reports ``node_energy = energies - E0``, as
         ``MACECalculator`` does.
         """
-        table = torch.atleast_2d(self.model.atomic_energies_fn.atomic_energies)[self.head_index]
-        element = self.z_to_index[torch.as_tensor(numbers, dtype=torch.int64)]
-        return table.index_select(0, element.to(table.device)).double().cpu().numpy()
+        return self._e0_by_z[numbers]
 
     def train(self, mode: bool = True) -> MACE:
         """Inference only: the wrapped model stays in eval mode."""

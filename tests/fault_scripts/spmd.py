@@ -13,8 +13,9 @@ later the last rank prints ``fault`` and injects ``MODE``:
   and aborts the job.
 - ``far-atom``: no fault; a cluster with one atom 1e9 Å away, checked against
   ASE's EMT (rank 0 prints the largest relative error).
-- ``overlap``: two atoms 0.2 Å apart; every rank raises the same ValueError
-  and lets it end the script (one report, exit status 1, no MPI_Abort).
+- ``overlap``: two atoms 0.35 Å apart under ``min_distance=0.5``; every rank
+  raises the same ValueError and lets it end the script (one report, exit
+  status 1, no MPI_Abort).
 - ``overlap-caught``: the same, but the last rank catches the error and waits
   in another collective: rank 0 gives up on it (after 2 s here instead of
   ``EXIT_TIMEOUT``'s 10 s: the last rank never comes) and aborts the job.
@@ -67,7 +68,7 @@ def overlap(comm: Comm, caught: bool) -> None:
         ase_shard.comm.EXIT_TIMEOUT = 2.0  # how long rank 0 waits for the last rank
     atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(3)
     atoms.positions[4] = atoms.positions[9] + 0.2
-    atoms.calc = ShardedCalculator(EMT())
+    atoms.calc = ShardedCalculator(EMT(), min_distance=0.5)  # off by default
     if comm.is_root:
         print("fault overlap", flush=True)
     try:
