@@ -113,6 +113,18 @@ test: lint $(MACE_STAMP)
 			tests/test_sharded_mace.py; \
 	done
 
+# ASE's own tests that use EMT, LennardJones or MorsePotential, with ShardedCalculator in
+# their place (tests/ase_conformance, docs/reliability.md): in one process, then on every
+# rank of mpirun -n 2. ASE's CLI tests call `ase`, hence the PATH.
+CONFORMANCE := $(BIN)/python -m tests.ase_conformance -q -rsx
+
+.PHONY: conformance
+conformance: $(STAMP)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(GUARD) 600 $(CONFORMANCE)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(GUARD) 900 $(MPIRUN) -n 2 $(CONFORMANCE)
+
+test: conformance
+
 # GPU readiness, the first command on a machine with GPUs: exactness against the CPU,
 # placement, syncs and copies per step, halo, compile and time per step, on 1 and 2 ranks
 # (docs/running.md); without CUDA it is a CPU dry run. The second run prints the first's

@@ -37,8 +37,18 @@ ALLOW_RUN_AS_ROOT = {
 _LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 
 
+# Set by a rank to its own process id when it initialises MPI. A process that a rank
+# starts (``subprocess``, ASE's socket clients) inherits the launcher's variables too; it
+# finds a process id not its own here and stays out of the job: an MPI_Init there would
+# join or break the rank's job.
+_RANK_MARKER = "ASE_SHARD_MPI_RANK"
+
+
 def launched_by_mpi() -> bool:
-    """True when this process was started by ``mpirun``/``srun``."""
+    """True when this process was started by ``mpirun``/``srun``, not by one of its ranks."""
+    marker = os.environ.get(_RANK_MARKER)
+    if marker is not None and marker != str(os.getpid()):
+        return False
     return any(name in os.environ for name in _LAUNCHER_VARIABLES)
 
 
@@ -50,6 +60,7 @@ def init_mpi() -> None:
     world and ours the same.
     """
     if launched_by_mpi():
+        os.environ[_RANK_MARKER] = str(os.getpid())
         try:
             from mpi4py import MPI  # noqa: F401
         except ImportError:

@@ -407,3 +407,31 @@ def test_nve_soak_short(distributed: bool) -> None:
     assert figures["oracle_error"] <= RTOL, figures
     assert figures["rebuilds"] > 10, figures  # measured 29
     assert figures["owner_changes"] > 0 or COMM.size == 1, figures
+
+
+def test_a_process_that_a_rank_starts_stays_out_of_the_job() -> None:
+    """A subprocess of a rank (ASE's socket clients start one that unpickles our
+    calculator) inherits the launcher's variables; importing ase_shard there must not
+    initialise MPI (under mpirun that joined or crashed the job: ASE's
+    ``socketio/test_python_interface.py`` ended in a segmentation fault) and its
+    calculator runs on one rank, with ASE's EMT's answer."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, ase_shard\n"
+        "from ase.build import bulk\n"
+        "from ase_shard.models import EMT\n"
+        "atoms = bulk('Cu', cubic=True) * 2\n"
+        "atoms.calc = ase_shard.ShardedCalculator(EMT())\n"
+        "energy = float(atoms.get_potential_energy())\n"
+        "print('mpi4py.MPI' in sys.modules, atoms.calc.comm.size, energy)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    atoms = bulk("Cu", cubic=True) * 2
+    atoms.calc = AseEMT()
+    loaded_mpi, ranks, energy = done.stdout.split()
+    assert (loaded_mpi, ranks) == ("False", "1")
+    assert float(energy) == pytest.approx(atoms.get_potential_energy(), rel=1e-12, abs=0)
