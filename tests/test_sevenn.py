@@ -45,7 +45,7 @@ def tiny_sevennet(seed: int = 0, cutoff: float = 3.5, num_layers: int = 2, chann
     """
     import sevenn._keys as KEY
 
-    from ase_shard.bench import random_sevennet_network
+    from ase_shard.random_models import random_sevennet_network
 
     model = random_sevennet_network(
         SPECIES,
@@ -224,7 +224,7 @@ def test_non_trainable_bessel_coefficients_follow_the_dtype() -> None:
     """sevenn keeps them as a plain attribute; the adapter makes them move and cast."""
     import sevenn._keys as KEY
 
-    from ase_shard.bench import random_sevennet_network
+    from ase_shard.random_models import random_sevennet_network
 
     radial = {KEY.RADIAL_BASIS_NAME: "bessel", "bessel_basis_num": 8, "trainable_coeff": False}
     config = {

@@ -29,17 +29,12 @@ from ase_shard.bench.framework import FrameworkSettings, run_framework
 from ase_shard.bench.harness import BenchSettings, run_benchmark
 from ase_shard.bench.report import format_framework_summary, format_summary, plot_report
 
-# tests/test_sevenn.py imports random_sevennet_network from here; it belongs to
-# random_models and goes from this list once that import names it there
-from ase_shard.random_models import random_sevennet_network
-
 __all__ = [
     "BenchSettings",
     "FrameworkSettings",
     "format_framework_summary",
     "format_summary",
     "plot_report",
-    "random_sevennet_network",
     "run_benchmark",
     "run_framework",
 ]
