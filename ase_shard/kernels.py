@@ -41,7 +41,12 @@ import numba
 import numpy as np
 
 from ase_shard.graph import EdgeList
-from ase_shard.summation import add_compensated, compensated_step
+from ase_shard.summation import (
+    add_compensated,
+    add_same_sign,
+    compensated_step,
+    same_sign_step,
+)
 
 # The columns of EMT's parameter table, one row per atomic number
 # (``ase_shard.models.EMT`` fills it): lengths in Å, energies in eV,
@@ -268,6 +273,17 @@ def _ends(i, j, n_owned, split):  # pragma: no cover - compiled
     return 2 if split else 1
 
 
+@numba.njit(cache=True, inline="always")
+def _flush_centre(sums, node, density, density_error, pair, pair_error):  # pragma: no cover
+    """A centre's density and pair sums, each with its error, into its columns of ``sums``."""
+    if node < 0:
+        return
+    add_compensated(sums, 0, node, density, 2)
+    sums[2, node] += density_error
+    add_compensated(sums, 1, node, pair, 3)
+    sums[3, node] += pair_error
+
+
 @numba.njit(cache=True, error_model="numpy")
 def _emt_densities(  # pragma: no cover - compiled
     table, rc, acut, beta, cutoff2, numbers, positions, centre, neighbour, image, offsets,
@@ -276,7 +292,10 @@ def _emt_densities(  # pragma: no cover - compiled
     """Pass 1: each node's density and pair sum into ``sums`` (4, n); per-pair terms.
 
     Rows 0 and 1 of ``sums`` take the densities and pair sums, rows 2 and 3
-    their rounding errors (:func:`ase_shard.summation.add_compensated`).
+    their rounding errors (:func:`ase_shard.summation.compensated_step`). A
+    centre's own terms are summed in registers while its edges follow one
+    another (the lists are grouped by centre) and added to ``sums`` once, with
+    their error; only the neighbours' ends go to memory edge by edge.
     """
     inverse_n0 = 1.0 / table[:, EMT_N0]  # divisions are slow: one per element, not per edge
     inverse_beta = 1.0 / beta
@@ -285,8 +304,14 @@ def _emt_densities(  # pragma: no cover - compiled
     terms = np.empty((centre.shape[0], 3))
     closest = np.inf
     taken = 0
+    current = -1  # the centre being summed in registers
+    density_sum = density_error = pair_sum = pair_error = 0.0
     for e in range(centre.shape[0]):
         i, j = centre[e], neighbour[e]
+        if i != current:
+            _flush_centre(sums, current, density_sum, density_error, pair_sum, pair_error)
+            current = i
+            density_sum = density_error = pair_sum = pair_error = 0.0
         ends = _ends(i, j, n_owned, split)
         if ends == 0:
             continue
@@ -314,17 +339,18 @@ def _emt_densities(  # pragma: no cover - compiled
             )
         pair = es + eo
         dpair = (table[zj, EMT_KAPPA] * es + table[zi, EMT_KAPPA] * eo) * inverse_beta * w
-        add_compensated(sums, 0, i, density * w, 2)
-        add_compensated(sums, 1, i, pair * w, 3)
+        density_sum, density_error = same_sign_step(density_sum, density_error, density * w)
+        pair_sum, pair_error = same_sign_step(pair_sum, pair_error, pair * w)
         terms[taken, 0] = density * (dw - table[zj, EMT_ETA2] * w) / r
         terms[taken, 2] = 0.5 * (pair * dw - dpair) / r
         if ends == 2:
             if zi != zj:
                 density = math.exp(-table[zi, EMT_ETA2] * (r - beta * table[zi, EMT_S0])) / chi
-            add_compensated(sums, 0, j, density * w, 2)
-            add_compensated(sums, 1, j, pair * w, 3)
+            add_same_sign(sums, 0, j, density * w, 2)
+            add_same_sign(sums, 1, j, pair * w, 3)
             terms[taken, 1] = density * (dw - table[zi, EMT_ETA2] * w) / r
         taken += 1
+    _flush_centre(sums, current, density_sum, density_error, pair_sum, pair_error)
     return terms, closest
 
 
