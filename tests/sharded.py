@@ -11,6 +11,8 @@ from ase import Atoms
 from ase.build import bulk
 from ase.geometry import get_distances
 from ase.md.velocitydistribution import Stationary, thermalize_momenta
+from oracles import ase_results, relative_errors
+from systems import CASES
 
 from ase_shard.comm import Comm
 
@@ -47,6 +49,20 @@ def identical_on_all_ranks(*arrays: np.ndarray) -> bool:
 def assert_identical_on_all_ranks(values: dict[str, np.ndarray]) -> None:
     """Every rank holds bitwise the same ``values``."""
     assert identical_on_all_ranks(*(values[key] for key in sorted(values)))
+
+
+def assert_matches(atoms: Atoms, ase_calc, stresses: bool = False, rtol: float = 1e-10) -> None:
+    """The calculator attached to ``atoms`` gives ``ase_calc``'s results (relative
+    ``rtol``), bitwise alike on every rank."""
+    got = results(atoms)
+    errors = relative_errors(got, ase_results(ase_calc, atoms, stresses=stresses))
+    assert max(errors.values()) <= rtol, errors
+    assert_identical_on_all_ranks(got)
+
+
+def cu_bulk() -> Atoms:
+    """The shared EMT case: 108 rattled Cu atoms (``systems.CASES["cu_bulk_emt"]``)."""
+    return CASES["cu_bulk_emt"].make_atoms()
 
 
 def on_root(compute: Callable[[], object]) -> object:

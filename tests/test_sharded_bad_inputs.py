@@ -14,9 +14,7 @@ import torch
 from ase import Atoms
 from ase.calculators.emt import EMT as AseEMT
 from ase.constraints import FixAtoms
-from oracles import ase_results, relative_errors
-from sharded import COMM, assert_identical_on_all_ranks, results
-from systems import CASES
+from sharded import COMM, assert_matches, cu_bulk
 from toy_models import ChargedPairs
 
 from ase_shard import ShardedCalculator
@@ -32,16 +30,6 @@ SMALL_MOVE = 1e-4  # Å, far inside the skin: the next call reuses the decomposi
 LARGE_MOVE = 0.3  # Å, more than half the default skin (0.5 Å): the next call rebuilds
 
 
-def _cu() -> Atoms:
-    return CASES["cu_bulk_emt"].make_atoms()
-
-
-def _assert_exact(atoms: Atoms) -> None:
-    """The calculator attached to ``atoms`` gives ASE's EMT results, alike on every rank."""
-    got = results(atoms)
-    errors = relative_errors(got, ase_results(AseEMT(), atoms))
-    assert max(errors.values()) <= 1e-10, errors
-    assert_identical_on_all_ranks(got)
 
 
 def _raised_together(error: pytest.ExceptionInfo) -> bool:
@@ -62,7 +50,7 @@ def test_a_diverged_copy_raises_at_once(distance: float, atom: int, step: str) -
     every rank makes: every rank raises at that call, whichever atom and distance, and
     no result is stored (before: a slice per call was compared, and a mixed energy was
     returned until a later call found the atom)."""
-    atoms = _cu()
+    atoms = cu_bulk()
     atoms.calc = calc = ShardedCalculator(EMT())
     atoms.get_potential_energy()
     atoms.positions += SMALL_MOVE if step == "reuse" else LARGE_MOVE
@@ -76,13 +64,13 @@ def test_a_diverged_copy_raises_at_once(distance: float, atom: int, step: str) -
         atoms.get_potential_energy()
     assert "energy" not in calc.results
     assert calc.rebuilds == 1  # found before any rank built or evaluated anything
-    atoms.positions = _cu().positions
-    _assert_exact(atoms)
+    atoms.positions = cu_bulk().positions
+    assert_matches(atoms, AseEMT())
 
 
 @pytest.mark.mpi(min_size=2)
 def test_rank_0_diverging_names_every_other_rank() -> None:
-    atoms = _cu()
+    atoms = cu_bulk()
     atoms.calc = ShardedCalculator(EMT())
     atoms.get_forces()
     atoms.positions += SMALL_MOVE
@@ -99,7 +87,7 @@ def test_rank_0_diverging_names_every_other_rank() -> None:
 @pytest.mark.parametrize("change", ["swapped atoms", "swapped coordinates"])
 def test_the_same_positions_in_another_order_raise(change: str) -> None:
     """Values that moved between places keep a copy's sums: the checksum still sees them."""
-    atoms = _cu()
+    atoms = cu_bulk()
     atoms.calc = ShardedCalculator(EMT())
     atoms.get_forces()
     atoms.positions += SMALL_MOVE
@@ -116,7 +104,7 @@ def test_the_same_positions_in_another_order_raise(change: str) -> None:
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("field", ["numbers", "cell", "pbc"])
 def test_other_fields_diverging_on_a_reuse_step_raise(field: str) -> None:
-    atoms = _cu()
+    atoms = cu_bulk()
     atoms.calc = ShardedCalculator(EMT())
     atoms.get_forces()
     atoms.positions += SMALL_MOVE
@@ -155,7 +143,7 @@ def test_model_inputs_diverging_on_a_reuse_step_raise() -> None:
 @pytest.mark.mpi(min_size=2)
 def test_round_off_anywhere_is_resynchronised() -> None:
     """Round-off in any atom of one rank's copy is overwritten with rank 0's, no error."""
-    atoms = _cu()
+    atoms = cu_bulk()
     atoms.calc = ShardedCalculator(EMT())
     atoms.get_forces()
     for atom in (0, 53, 107):
@@ -165,7 +153,7 @@ def test_round_off_anywhere_is_resynchronised() -> None:
         atoms.get_forces()
         reference = COMM.bcast(atoms.positions if COMM.is_root else None)
         assert (atoms.positions == reference).all()
-    _assert_exact(atoms)
+    assert_matches(atoms, AseEMT())
 
 
 # -- the model ---------------------------------------------------------------------------
@@ -254,9 +242,9 @@ def test_dtype_by_name(name: str, dtype: torch.dtype) -> None:
     calc = ShardedCalculator(EMT(), dtype=name)
     assert calc.dtype == dtype and next(calc.model.buffers()).dtype == dtype
     if dtype == torch.float64:
-        atoms = _cu()
+        atoms = cu_bulk()
         atoms.calc = calc
-        _assert_exact(atoms)
+        assert_matches(atoms, AseEMT())
 
 
 @pytest.mark.parametrize(
@@ -325,13 +313,13 @@ def test_a_communicator_that_is_not_one_is_refused() -> None:
 
 
 def _object_array() -> Atoms:
-    atoms = _cu()
+    atoms = cu_bulk()
     atoms.arrays["labels"] = np.array(["Cu"] * len(atoms), dtype=object)
     return atoms
 
 
 def _constrained() -> Atoms:
-    atoms = _cu()
+    atoms = cu_bulk()
     atoms.set_constraint(FixAtoms([0]))
     return atoms
 
@@ -353,7 +341,7 @@ def test_distribute_refuses_on_every_rank(make, kind: type, message: str) -> Non
 
 
 def test_distributing_distributed_atoms_is_refused() -> None:
-    local = distribute(_cu())
+    local = distribute(cu_bulk())
     with pytest.raises(TypeError, match="distributed already; gather"):
         distribute(local)
 
@@ -361,7 +349,7 @@ def test_distributing_distributed_atoms_is_refused() -> None:
 @pytest.mark.mpi(min_size=2)
 def test_distribute_takes_the_roots_system_when_copies_differ() -> None:
     """Ranks that pass their own, different copies get the root's atoms, not a mix."""
-    atoms = _cu()
+    atoms = cu_bulk()
     atoms.rattle(0.01, seed=COMM.rank)  # each rank's copy differs
     atoms.set_momenta(np.full((len(atoms), 3), float(COMM.rank)))
     whole = gather(distribute(atoms))

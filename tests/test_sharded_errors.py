@@ -12,7 +12,7 @@ import torch
 from ase import Atoms
 from ase.build import bulk
 from oracles import ase_results, relative_errors
-from sharded import COMM, results
+from sharded import COMM, cu_bulk, results
 from systems import CASES
 
 from ase_shard import ShardedCalculator
@@ -20,9 +20,6 @@ from ase_shard.models import EMT, LennardJones
 
 pytestmark = pytest.mark.timeout(60)
 
-
-def _cu() -> Atoms:
-    return CASES["cu_bulk_emt"].make_atoms()
 
 
 def _assert_usable(atoms: Atoms) -> None:
@@ -34,7 +31,7 @@ def _assert_usable(atoms: Atoms) -> None:
 
 
 def test_non_finite_positions() -> None:
-    atoms = _cu()
+    atoms = cu_bulk()
     atoms.calc = ShardedCalculator(EMT())
     good = atoms.positions.copy()
     atoms.positions[5, 1] = np.nan
@@ -63,7 +60,7 @@ def test_degenerate_periodic_cell() -> None:
 
 
 def test_unsupported_element() -> None:
-    atoms = _cu()
+    atoms = cu_bulk()
     atoms.calc = ShardedCalculator(EMT())
     atoms.numbers[[3, 7]] = [92, 26]
     with pytest.raises(ValueError, match="does not support Fe, U"):
@@ -74,13 +71,13 @@ def test_unsupported_element() -> None:
 
 @pytest.mark.mpi(min_size=2)
 def test_ranks_with_different_atoms() -> None:
-    atoms = _cu()
+    atoms = cu_bulk()
     atoms.calc = ShardedCalculator(EMT())
     if COMM.rank == COMM.size - 1:
         atoms.positions[0] += 0.01
     with pytest.raises(ValueError, match=rf"rank {COMM.size - 1}: positions"):
         atoms.get_potential_energy()
-    atoms.positions = _cu().positions
+    atoms.positions = cu_bulk().positions
     _assert_usable(atoms)
 
 
@@ -103,7 +100,7 @@ class FailsOnOneRank(torch.nn.Module):
 def test_model_error_on_one_rank_raises_everywhere() -> None:
     failing_rank = COMM.size - 1
     model = FailsOnOneRank(failing_rank)
-    atoms = _cu()
+    atoms = cu_bulk()
     atoms.calc = ShardedCalculator(model)
     with pytest.raises(FloatingPointError, match=rf"model blew up \[rank {failing_rank}\]"):
         atoms.get_forces()
@@ -149,7 +146,7 @@ def test_unseeded_thermostat_is_named_not_hung() -> None:
     from ase.md.langevinbaoab import LangevinBAOAB
     from ase.units import fs
 
-    atoms = _cu()
+    atoms = cu_bulk()
     atoms.calc = ShardedCalculator(EMT())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # ASE warns that it seeded an rng itself

@@ -21,8 +21,8 @@ from ase import Atoms
 from ase.build import bulk
 from ase.calculators.emt import EMT as AseEMT
 from ase.calculators.lj import LennardJones as AseLennardJones
-from oracles import ase_results, evaluate_periodic_graph, relative_errors
-from sharded import COMM, assert_identical_on_all_ranks, results
+from oracles import evaluate_periodic_graph, relative_errors
+from sharded import COMM, assert_matches, cu_bulk, results
 from soak import run_nve_soak
 from systems import AR, CASES
 from toy_models import ToyMessagePassing
@@ -38,16 +38,6 @@ RTOL = 1e-10
 LAST = COMM.size - 1
 
 
-def _assert_exact(atoms: Atoms, ase_calc, stresses: bool = False) -> None:
-    """``atoms``' calculator agrees with ``ase_calc`` and is bitwise equal on all ranks."""
-    got = results(atoms)
-    errors = relative_errors(got, ase_results(ase_calc, atoms, stresses=stresses))
-    assert max(errors.values()) <= RTOL, errors
-    assert_identical_on_all_ranks(got)
-
-
-def _cu() -> Atoms:
-    return CASES["cu_bulk_emt"].make_atoms()
 
 
 # -- 1, 2: the model fails or returns non-finite numbers on some ranks ----------------
@@ -117,10 +107,10 @@ def _fail_then_recover(model: Faulty, error: type, pattern: str) -> str:
 
     Returns the message of the error, after checking it is the same on all ranks.
     """
-    atoms = _cu()
+    atoms = cu_bulk()
     calc = ShardedCalculator(model)
     atoms.calc = calc
-    _assert_exact(atoms, AseEMT())
+    assert_matches(atoms, AseEMT())
     atoms.positions[0, 0] += 0.01  # within the skin: the failing call reuses the layout
     model.armed = True
     with pytest.raises(error, match=pattern) as caught:
@@ -128,7 +118,7 @@ def _fail_then_recover(model: Faulty, error: type, pattern: str) -> str:
     message = str(caught.value)
     assert len(set(COMM.allgather(message))) == 1
     model.armed = False
-    _assert_exact(atoms, AseEMT())
+    assert_matches(atoms, AseEMT())
     assert calc.rebuilds == 2  # the call after an error starts from a fresh layout
     return message
 
@@ -225,14 +215,14 @@ def test_a_rank_that_skips_exchanges_is_found_not_waited_for() -> None:
 
 
 def test_non_finite_cell() -> None:
-    atoms = _cu()
+    atoms = cu_bulk()
     atoms.calc = ShardedCalculator(EMT())
     cell = atoms.cell.array.copy()
     atoms.cell[2, 2] = np.inf
     with pytest.raises(ValueError, match="cell is not finite"):
         atoms.get_potential_energy()
     atoms.cell = cell
-    _assert_exact(atoms, AseEMT())
+    assert_matches(atoms, AseEMT())
 
 
 @pytest.mark.parametrize("how", ["swapped", "mirrored"])
@@ -245,7 +235,7 @@ def test_left_handed_cell_is_legal(how: str) -> None:
         atoms.set_cell(atoms.cell.array @ np.diag([1.0, 1.0, -1.0]), scale_atoms=True)
     assert np.linalg.det(atoms.cell.array) < 0
     atoms.calc = ShardedCalculator(LennardJones(**AR))
-    _assert_exact(atoms, AseLennardJones(**AR), stresses=True)
+    assert_matches(atoms, AseLennardJones(**AR), stresses=True)
 
 
 @pytest.mark.parametrize("distance", [1e3, 1e5])
@@ -258,18 +248,18 @@ def test_atom_far_outside_non_periodic_box(case_name: str, distance: float) -> N
         atoms.center(vacuum=5.0)
     atoms.positions[3, axis] = distance
     atoms.calc = ShardedCalculator(EMT())
-    _assert_exact(atoms, AseEMT())
+    assert_matches(atoms, AseEMT())
 
 
 @pytest.mark.parametrize("number, name", [(0, "X"), (9, "F")])
 def test_element_unknown_to_the_model(number: int, name: str) -> None:
-    atoms = _cu()
+    atoms = cu_bulk()
     atoms.calc = ShardedCalculator(EMT())
     atoms.numbers[4] = number
     with pytest.raises(ValueError, match=rf"does not support {name} \(it supports"):
         atoms.get_forces()
     atoms.numbers[4] = 29
-    _assert_exact(atoms, AseEMT())
+    assert_matches(atoms, AseEMT())
 
 
 def test_empty_atoms_without_cell_then_atoms() -> None:
@@ -277,25 +267,25 @@ def test_empty_atoms_without_cell_then_atoms() -> None:
     atoms.calc = ShardedCalculator(EMT())
     assert atoms.get_potential_energy() == 0.0
     assert atoms.get_forces().shape == (0, 3)
-    atoms.extend(_cu())
-    atoms.set_cell(_cu().cell)
+    atoms.extend(cu_bulk())
+    atoms.set_cell(cu_bulk().cell)
     atoms.pbc = True
-    _assert_exact(atoms, AseEMT())
+    assert_matches(atoms, AseEMT())
 
 
 def test_number_of_atoms_changes_between_calls() -> None:
-    atoms = _cu()
+    atoms = cu_bulk()
     calc = ShardedCalculator(EMT())
     atoms.calc = calc
-    _assert_exact(atoms, AseEMT())
+    assert_matches(atoms, AseEMT())
     del atoms[[0, 17, 50]]
-    _assert_exact(atoms, AseEMT())
+    assert_matches(atoms, AseEMT())
     atoms += Atoms("Au", positions=[[1.0, 1.2, 0.9]])
-    _assert_exact(atoms, AseEMT())
+    assert_matches(atoms, AseEMT())
     del atoms[:]
     assert atoms.get_potential_energy() == 0.0
-    atoms.extend(_cu())
-    _assert_exact(atoms, AseEMT())
+    atoms.extend(cu_bulk())
+    assert_matches(atoms, AseEMT())
     assert calc.rebuilds == 5
 
 
@@ -315,16 +305,16 @@ def _spoil(atoms: Atoms, field: str) -> None:
 @pytest.mark.parametrize("field", ["number of atoms", "numbers", "cell", "pbc"])
 def test_ranks_hold_different_atoms(field: str) -> None:
     """One rank's copy differs on the first call: every rank names that rank and field."""
-    atoms = _cu()
+    atoms = cu_bulk()
     calc = ShardedCalculator(EMT())
     atoms.calc = calc
     if COMM.rank == LAST:
         _spoil(atoms, field)
     with pytest.raises(ValueError, match=rf"different Atoms.*rank {LAST}: [^)]*{field}"):
         atoms.get_potential_energy()
-    atoms = _cu()
+    atoms = cu_bulk()
     atoms.calc = calc
-    _assert_exact(atoms, AseEMT())
+    assert_matches(atoms, AseEMT())
 
 
 # -- 4: degenerate geometry -----------------------------------------------------------
@@ -391,7 +381,7 @@ def test_degenerate_geometry(name: str, partition: str) -> None:
     make_atoms, make_model, make_ase_calc = DEGENERATE[name]
     atoms = make_atoms()
     atoms.calc = ShardedCalculator(make_model(), partition=partition)
-    _assert_exact(atoms, make_ase_calc())
+    assert_matches(atoms, make_ase_calc())
 
 
 # -- 7: soak (reduced; the full 10,000 steps: scripts/md_acceptance.py --case nve-soak) --

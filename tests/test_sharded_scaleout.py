@@ -9,11 +9,8 @@ test_sharded_bad_inputs.py.)
 from __future__ import annotations
 
 import pytest
-from ase import Atoms
 from ase.calculators.emt import EMT as AseEMT
-from oracles import ase_results, relative_errors
-from sharded import COMM, assert_identical_on_all_ranks, results
-from systems import CASES
+from sharded import COMM, assert_matches, cu_bulk
 
 from ase_shard import ShardedCalculator
 from ase_shard.models import EMT
@@ -23,27 +20,18 @@ pytestmark = pytest.mark.timeout(60)
 SMALL_MOVE = 1e-4  # Å, far inside the skin: every call below reuses the decomposition
 
 
-def _cu() -> Atoms:
-    return CASES["cu_bulk_emt"].make_atoms()
-
-
-def _assert_exact(atoms: Atoms) -> None:
-    got = results(atoms)
-    errors = relative_errors(got, ase_results(AseEMT(), atoms))
-    assert max(errors.values()) <= 1e-10, errors
-    assert_identical_on_all_ranks(got)
 
 
 def test_per_atom_stresses_are_stored_only_when_asked_for() -> None:
     """Any call brings what ASE's EMT does (energies, forces); per-atom stresses only
     when asked for, and then exact."""
-    atoms = _cu()
+    atoms = cu_bulk()
     calc = ShardedCalculator(EMT())
     atoms.calc = calc
     atoms.get_potential_energy()
     assert {"energy", "free_energy", "energies", "forces", "stress"} <= set(calc.results)
     assert "stresses" not in calc.results
-    _assert_exact(atoms)  # asks for every property
+    assert_matches(atoms, AseEMT())  # asks for every property
     assert "stresses" in calc.results
 
 
@@ -53,7 +41,7 @@ def test_bytes_received_per_reuse_step() -> None:
     rank: no broadcast of the whole result. EMT's
     kernel, taking each pair between two ranks on one of them, also brings its owned
     atoms' density sums from the ghosts (2 numbers each) and its ghosts' dE/dsigma (1)."""
-    atoms = _cu()
+    atoms = cu_bulk()
     calc = ShardedCalculator(EMT())
     atoms.calc = calc
     atoms.get_forces()

@@ -20,7 +20,7 @@ rebuilds, :meth:`Layout.with_ghosts`, then :meth:`Layout.finish`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -170,6 +170,11 @@ class Ghosts:
     ids: np.ndarray
     image_shift: np.ndarray
 
+    @classmethod
+    def of(cls, rows: RankRows) -> Ghosts:
+        """A rank's rows beyond its owned atoms."""
+        return cls(rows.ids[rows.n_owned :], rows.image_shift[rows.n_owned :])
+
 
 @dataclass(frozen=True)
 class DecompositionView:
@@ -277,6 +282,19 @@ class Layout(ABC):
         ``partial`` is this rank's ``(1, 7, 2)`` compensated sums of energy and
         virial; ``owned`` its owned atoms' ``(n_owned, k)`` per-atom results.
         """
+
+    def _collected(
+        self,
+        send: Callable[[np.ndarray, np.ndarray], np.ndarray | None],
+        partial: np.ndarray,
+        owned: np.ndarray,
+        gathered_row: np.ndarray | None,
+    ) -> tuple[Any, Any]:
+        """:meth:`collect` by ``send`` (``Comm.allgather_rows``: to every rank;
+        ``Comm.gather_rows``: to rank 0), the rows put back in atom order."""
+        totals = send(partial, np.ones(self.comm.size, dtype=np.int64))
+        values = send(owned, self.state.counts[:, 1])
+        return totals, None if values is None else in_order(values, gathered_row)
 
     def decomposition(self) -> DecompositionView | None:
         """The decomposition as a user inspects it; ``None`` where the owners are not

@@ -30,7 +30,6 @@ from ase_shard.layouts.base import (
     Layout,
     Request,
     gathered_rows,
-    in_order,
 )
 from ase_shard.system import (
     PER_ATOM_FIELDS,
@@ -184,14 +183,9 @@ class ReplicatedLayout(Layout):
         raise diverged("; ".join(details))
 
     def collect(self, partial: np.ndarray, owned: np.ndarray) -> tuple[Any, Any]:
-        comm = self.comm
-        totals = comm.allgather_rows(partial, np.ones(comm.size, dtype=np.int64))
-        values = comm.allgather_rows(owned, self.state.counts[:, 1])
-        return totals, None if values is None else in_order(values, self.gathered_row)
+        return self._collected(self.comm.allgather_rows, partial, owned, self.gathered_row)
 
     def decomposition(self) -> DecompositionView | None:
         if self.state is None or self.owners is None:
             return None
-        rows = self.state.rows
-        ghosts = Ghosts(rows.ids[rows.n_owned :], rows.image_shift[rows.n_owned :])
-        return DecompositionView(self.owners, {self.comm.rank: ghosts})
+        return DecompositionView(self.owners, {self.comm.rank: Ghosts.of(self.state.rows)})

@@ -25,7 +25,6 @@ from ase_shard.layouts.base import (
     Layout,
     Request,
     gathered_rows,
-    in_order,
 )
 from ase_shard.settings import Settings
 from ase_shard.system import validate
@@ -130,16 +129,10 @@ class RootLayout(Layout):
         """Nothing before the build: rank 0 validates the whole system as it plans."""
 
     def collect(self, partial: np.ndarray, owned: np.ndarray) -> tuple[Any, Any]:
-        comm = self.comm
-        totals = comm.gather_rows(partial, np.ones(comm.size, dtype=np.int64))
-        values = comm.gather_rows(owned, self.state.counts[:, 1])
-        return totals, None if values is None else in_order(values, self.gathered_row)
+        return self._collected(self.comm.gather_rows, partial, owned, self.gathered_row)
 
     def decomposition(self) -> DecompositionView | None:
         if self.state is None or self.owners is None:
             return None
-        ghosts = {
-            rank: Ghosts(rows.ids[rows.n_owned :], rows.image_shift[rows.n_owned :])
-            for rank, rows in enumerate(self.layouts)
-        }
+        ghosts = {rank: Ghosts.of(rows) for rank, rows in enumerate(self.layouts)}
         return DecompositionView(self.owners, ghosts)
