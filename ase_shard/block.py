@@ -432,6 +432,7 @@ class LocalBlock:
         dtype,
         inputs: dict[str, np.ndarray] | None = None,
         system: dict[str, list] | None = None,
+        per_node_virials: bool = True,
     ) -> torch.Tensor:
         """Per-node energy, force and virial contributions.
 
@@ -446,6 +447,10 @@ class LocalBlock:
             The model's per-atom inputs for the nodes.
         system : dict of str to values, optional
             The model's per-system inputs.
+        per_node_virials : bool
+            ``False``: only the virial columns' sum is used (no per-atom
+            stresses asked for), which a model with its own kernel may take
+            as licence to skip the per-node split (:class:`~ase_shard.graph.EdgeList`).
 
         Returns
         -------
@@ -466,7 +471,7 @@ class LocalBlock:
         rebuild: no edge vectors, cutoff filtering or autograd here.
         """
         if self._direct is not None:
-            return self._evaluate_direct(node_rows, cell)
+            return self._evaluate_direct(node_rows, cell, per_node_virials)
         timer = self.timer
         with timer.phase("forward"):
             # copies from the host first: before any kernel is queued they wait for nothing
@@ -531,7 +536,9 @@ class LocalBlock:
             self._check(columns, total, closest, positions, cell)
         return columns
 
-    def _evaluate_direct(self, node_rows: np.ndarray, cell: np.ndarray) -> np.ndarray:
+    def _evaluate_direct(
+        self, node_rows: np.ndarray, cell: np.ndarray, per_node_virials: bool
+    ) -> np.ndarray:
         """:meth:`evaluate` by the model's own compiled kernel (:class:`DirectForces`)."""
         with self.timer.phase("forward"):
             positions = np.asarray(node_rows, dtype=np.float64) + self._offsets(cell)[0].numpy()
@@ -550,6 +557,7 @@ class LocalBlock:
                 self.n_owned,
                 float(self.model.cutoff),
                 self._pair_halo,
+                per_node_virials,
             )
             closest = self._direct.energy_forces(edges, columns)
         with self.timer.phase("reverse"):

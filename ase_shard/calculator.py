@@ -533,7 +533,12 @@ class ShardedCalculator(Calculator):
         try:
             inputs = unpack(rows[:, 3:], request.input_shapes)
             columns = self._block.evaluate(
-                rows[:, :3], request.cell, self.dtype, inputs, request.system
+                rows[:, :3],
+                request.cell,
+                self.dtype,
+                inputs,
+                request.system,
+                per_node_virials="stresses" in request.properties,
             )
             if self._compiled is not None:
                 self._compiled.count_fallbacks()

@@ -247,6 +247,10 @@ class EdgeList:
         each edge to a ghost for both ends, exchanging the ghost ends'
         per-node sums through ``halo`` (collective: every rank calls the same
         exchanges in the same order; see :mod:`ase_shard.kernels`).
+    per_node_virials : bool
+        ``False`` when only the total virial is wanted (no per-atom stresses
+        asked for): a model may then put it in any node's virial columns, as
+        long as the columns add up to it.
     """
 
     positions: np.ndarray
@@ -258,6 +262,7 @@ class EdgeList:
     n_owned: int
     cutoff: float
     halo: GhostColumns | None = None
+    per_node_virials: bool = True
 
 
 class GhostColumns(Protocol):

@@ -134,7 +134,9 @@ def emt_forces(
     _emt_energies(table, beta, numbers, sums, n_owned, out, dcohesive[0])
     if split:
         halo.copy_owner_columns(dcohesive)
-    _emt_pair_forces(cutoff2, *arrays, n_owned, split, terms, dcohesive[0], out)
+    _emt_pair_forces(
+        cutoff2, *arrays, n_owned, split, terms, dcohesive[0], edges.per_node_virials, out
+    )
     return closest
 
 
@@ -380,16 +382,21 @@ def _emt_energies(table, beta, numbers, sums, n_owned, out, dcohesive):  # pragm
 
 @numba.njit(cache=True, error_model="numpy")
 def _emt_pair_forces(  # pragma: no cover - compiled
-    cutoff2, positions, centre, neighbour, image, offsets, n_owned, split, terms, dcohesive, out
+    cutoff2, positions, centre, neighbour, image, offsets, n_owned, split, terms, dcohesive,
+    per_node_virials, out,
 ):
     """Pass 2: forces and virials of the pairs taken in pass 1, once ``dcohesive`` is known.
 
     ``dE_i/dd = c d`` gives ``+c d`` to ``i``, ``-c d`` to ``j`` and ``c d ⊗ d``
     halved to each; a pair taken for both ends adds the reverse edge's ``c``.
+    Without ``per_node_virials`` the pairs' virials are summed in registers
+    and put in node 0's columns: twelve memory updates a pair fewer (a quarter
+    of this pass on 32,000 Cu atoms), the same column sums.
     """
     n_nodes = positions.shape[0]
     rows = np.zeros((n_nodes, 10))  # one node's sums together: one or two cache lines
     taken = 0
+    vxx = vyy = vzz = vyz = vxz = vxy = 0.0  # the virial, when not per node
     for e in range(centre.shape[0]):
         i, j = centre[e], neighbour[e]
         ends = _ends(i, j, n_owned, split)
@@ -408,6 +415,21 @@ def _emt_pair_forces(  # pragma: no cover - compiled
         rows[j, 1] -= c * dx
         rows[j, 2] -= c * dy
         rows[j, 3] -= c * dz
-        _add_virial(rows, i, 0.5 * c, dx, dy, dz)
-        _add_virial(rows, j, 0.5 * c, dx, dy, dz)
+        if per_node_virials:
+            _add_virial(rows, i, 0.5 * c, dx, dy, dz)
+            _add_virial(rows, j, 0.5 * c, dx, dy, dz)
+        else:
+            vxx += c * dx * dx
+            vyy += c * dy * dy
+            vzz += c * dz * dz
+            vyz += c * dy * dz
+            vxz += c * dx * dz
+            vxy += c * dx * dy
+    if not per_node_virials and n_nodes > 0:
+        rows[0, 4] += vxx
+        rows[0, 5] += vyy
+        rows[0, 6] += vzz
+        rows[0, 7] += vyz
+        rows[0, 8] += vxz
+        rows[0, 9] += vxy
     _add_node_sums(out, rows)  # no energies here: their row is zero
