@@ -21,6 +21,9 @@ Usage::
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 from ase import Atoms
 from ase.build import bulk
@@ -30,6 +33,9 @@ from ase.cell import Cell
 
 import ase_shard
 from ase_shard.models import EMT
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from systems import alloy_in_equivalent_cells  # noqa: E402
 
 
 def ours() -> ase_shard.ShardedCalculator:
@@ -47,21 +53,10 @@ def equivalent_cells_au(make) -> float:
 
 
 def equivalent_cells_alloy(make) -> float:
-    rng = np.random.default_rng(3)
-    atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(3)
-    atoms.numbers[rng.random(len(atoms)) < 0.3] = 47
-    atoms.rattle(0.15, rng=rng)
-    atoms.set_cell(atoms.cell * 0.93, scale_atoms=True)
-    sheared = atoms.copy()
-    vectors = sheared.cell.array.copy()
-    vectors[1] += vectors[0]
-    vectors[2] -= 2 * vectors[1]
-    sheared.set_cell(vectors)
-    sheared.wrap()
     energies = []
-    for copy in (atoms.copy(), sheared):
-        copy.calc = make()
-        energies.append(copy.get_potential_energy())
+    for atoms in alloy_in_equivalent_cells():
+        atoms.calc = make()
+        energies.append(atoms.get_potential_energy())
     return abs(energies[0] - energies[1])
 
 

@@ -122,3 +122,21 @@ CASES = {
     "c60_morse": Case(_c60, lambda: Morse(**MORSE_C), lambda: AseMorse(**MORSE_C)),
     "c60_in_box_morse": Case(_c60_in_box, lambda: Morse(**MORSE_C), lambda: AseMorse(**MORSE_C)),
 }
+
+
+def alloy_in_equivalent_cells() -> tuple[Atoms, Atoms]:
+    """108 rattled, compressed CuAg atoms (~160 eV) in a cubic cell, and the same lattice
+    in a sheared cell with the atoms wrapped into it (each cell lists the pairs in
+    another order; the energies must agree to round-off)."""
+    rng = np.random.default_rng(3)
+    cubic = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(3)
+    cubic.numbers[rng.random(len(cubic)) < 0.3] = 47
+    cubic.rattle(0.15, rng=rng)
+    cubic.set_cell(cubic.cell * 0.93, scale_atoms=True)
+    sheared = cubic.copy()
+    vectors = sheared.cell.array.copy()
+    vectors[1] += vectors[0]
+    vectors[2] -= 2 * vectors[1]
+    sheared.set_cell(vectors)
+    sheared.wrap()
+    return cubic, sheared

@@ -25,7 +25,7 @@ from ase.calculators.emt import EMT as AseEMT
 from ase.calculators.fd import FiniteDifferenceCalculator
 from ase.cell import Cell
 from oracles import relative_errors
-from systems import CASES
+from systems import CASES, alloy_in_equivalent_cells
 
 from ase_shard import ShardedCalculator
 from ase_shard.models import EMT
@@ -100,17 +100,7 @@ def test_one_atom_in_equivalent_cells_has_one_energy() -> None:
 def test_an_alloy_in_equivalent_cells_has_one_energy() -> None:
     """108 atoms (about 160 eV) in a cubic cell and in a sheared one of the same lattice,
     with its atoms wrapped into it: within 1e-12 eV, and ASE's energy to 1e-10 relative."""
-    rng = np.random.default_rng(3)
-    atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(3)
-    atoms.numbers[rng.random(len(atoms)) < 0.3] = 47
-    atoms.rattle(0.15, rng=rng)
-    atoms.set_cell(atoms.cell * 0.93, scale_atoms=True)
-    sheared = atoms.copy()
-    vectors = sheared.cell.array.copy()
-    vectors[1] += vectors[0]
-    vectors[2] -= 2 * vectors[1]
-    sheared.set_cell(vectors)
-    sheared.wrap()
+    atoms, sheared = alloy_in_equivalent_cells()
     energies = []
     for copy in atoms.copy(), sheared:
         copy.calc = ShardedCalculator(EMT())
