@@ -47,6 +47,7 @@ from ase_shard.presets import (
     ADAPTER_PACKAGES,
     BENCH_MODELS,
     BUILTIN_MODELS,
+    CHGNET_MODELS,
     MODEL_FILES,
     NO_EDGE,
     SEVENN_CHECKPOINTS,
@@ -617,6 +618,11 @@ def models_report() -> list[str]:
     missing = [name for name in SEVENN_CHECKPOINTS if name not in shipped]
     if missing:
         lines.append(f"  {'not here':<17} " + ", ".join(missing) + " (sevenn downloads them)")
+    lines.append(
+        "chgnet         "
+        + ", ".join(f"{name} ({version})" for name, version in CHGNET_MODELS.items())
+        + f", shipped in the chgnet wheel: {_adapter_state('chgnet')}"
+    )
     lines.append("model files")
     for ending, (kind, what) in MODEL_FILES.items():
         lines.append(f"  {ending:<17} {what}: {_adapter_state(kind)}")

@@ -321,6 +321,10 @@ def build_model(spec: ModelSpec, modality: str | None) -> torch.nn.Module:
         from ase_shard.models import MACE
 
         return MACE(spec.source, head=modality)
+    if spec.kind == "chgnet":
+        from ase_shard.models import CHGNet
+
+        return CHGNet(spec.source)
     from ase_shard.models import NequIP
 
     return NequIP(spec.source)

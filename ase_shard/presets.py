@@ -48,6 +48,13 @@ SEVENN_CHECKPOINTS = {
     "7net-omni-i8": "SevenNet_omni_i8/checkpoint_sevennet_omni_i8.pth",
     "7net-omni-i12": "SevenNet_omni_i12/checkpoint_sevennet_omni_i12.pth",
 }
+# CHGNet's pretrained models by --model name: the weights ship inside the chgnet wheel
+CHGNET_MODELS = {
+    "chgnet": "0.3.0",
+    "chgnet-0.3.0": "0.3.0",
+    "chgnet-0.2.0": "0.2.0",
+    "chgnet-r2scan": "r2scan",
+}
 # model files by name ending -> (adapter kind, what the file is)
 MODEL_FILES = {
     ".pth": ("sevenn", "SevenNet checkpoint"),
@@ -60,6 +67,7 @@ ADAPTER_PACKAGES = {
     "sevenn": ("sevenn", "sevenn"),
     "mace": ("mace", "mace-torch"),
     "nequip": ("nequip", "nequip"),
+    "chgnet": ("chgnet", "chgnet"),
 }
 # fcc argon at the density of the liquid near its boiling point, 1.40 g/cm³
 ARGON_LIQUID_A = 5.74
@@ -68,7 +76,8 @@ ARGON_LIQUID_A = 5.74
 @dataclass(frozen=True)
 class ModelSpec:
     """A resolved ``--model``: ``kind`` is ``builtin``, ``bench`` (random weights),
-    ``sevenn``, ``mace`` or ``nequip``; ``source`` the name or the file path;
+    ``sevenn``, ``mace``, ``nequip`` or ``chgnet``; ``source`` the name (CHGNet's own,
+    e.g. ``0.3.0``, for ``chgnet``) or the file path;
     ``label`` what the run prints; ``argument`` the ``--model`` value that finds
     the model again from any directory (the name, or the file's absolute path),
     which ``ase-shard md`` records in its frames for ``--restart``."""
@@ -84,7 +93,7 @@ def same_model(a: ModelSpec, b: ModelSpec) -> bool:
     the same file (a shipped checkpoint by name or by path)."""
     if a.kind != b.kind:
         return False
-    if a.kind in ("builtin", "bench"):
+    if a.kind in ("builtin", "bench", "chgnet"):
         return a.source == b.source
     return os.path.realpath(a.source) == os.path.realpath(b.source)
 
@@ -112,7 +121,8 @@ def shipped_checkpoints() -> dict[str, Path]:
 def model_choices(bench: bool = False) -> list[str]:
     """The model names ``--model`` takes here (besides model files)."""
     extra = [*BENCH_MODELS, NO_EDGE] if bench else []
-    return [*BUILTIN_MODELS, *extra, *shipped_checkpoints()]
+    chgnet = list(CHGNET_MODELS) if importlib.util.find_spec("chgnet") else []
+    return [*BUILTIN_MODELS, *extra, *shipped_checkpoints(), *chgnet]
 
 
 def resolve_model(name: str, bench: bool = False) -> ModelSpec:
@@ -131,6 +141,8 @@ def resolve_model(name: str, bench: bool = False) -> ModelSpec:
     shipped = shipped_checkpoints()
     if key in shipped:
         return ModelSpec("sevenn", str(shipped[key]), key, key)
+    if key in CHGNET_MODELS:
+        return ModelSpec("chgnet", CHGNET_MODELS[key], key, key)
     if os.path.isfile(name):
         for ending, (kind, _) in MODEL_FILES.items():
             if name.endswith(ending):
