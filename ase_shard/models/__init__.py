@@ -1,16 +1,28 @@
 """Torch potentials for ``ShardedCalculator``.
 
 ``LennardJones``, ``Morse`` and ``EMT`` re-implement ASE's calculators. ``SevenNet``,
-``MACE``, ``NequIP`` and ``CHGNet`` wrap machine-learned potentials; their packages are imported
-only when a model is built (extras ``ase-shard[sevenn]``, ``[mace]``, ``[nequip]``).
+``MACE``, ``NequIP``, ``CHGNet`` and ``Metatomic`` wrap machine-learned potentials; their
+packages are imported only when a model is built (extras ``ase-shard[sevenn]``,
+``[mace]``, ``[nequip]``, ``[chgnet]``, ``[metatomic]``).
 """
 
 from ase_shard.models.chgnet import CHGNet
 from ase_shard.models.emt import EMT
 from ase_shard.models.lj import LennardJones
 from ase_shard.models.mace import MACE
+from ase_shard.models.metatomic import Metatomic
 from ase_shard.models.morse import Morse
 from ase_shard.models.nequip import Allegro, NequIP
 from ase_shard.models.sevenn import SevenNet
 
-__all__ = ["Allegro", "CHGNet", "EMT", "LennardJones", "MACE", "Morse", "NequIP", "SevenNet"]
+__all__ = [
+    "Allegro",
+    "CHGNet",
+    "EMT",
+    "LennardJones",
+    "MACE",
+    "Metatomic",
+    "Morse",
+    "NequIP",
+    "SevenNet",
+]

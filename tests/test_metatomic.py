@@ -1,0 +1,245 @@
+"""metatomic adapter (serial): ``ShardedCalculator(Metatomic(...))`` equals metatomic's own
+ASE calculator (``metatomic_ase.MetatomicCalculator``) on the same exported model.
+
+The models are small random-weight message-passing networks exported with metatomic's
+own API (``tests/metatomic_models.py``) in float64: full and half neighbour lists, and
+two lists of different cutoffs. Results must agree to 1e-10 relative.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+
+pytest.importorskip("metatomic.torch")
+pytest.importorskip("metatomic_ase")
+
+import torch  # noqa: E402
+from ase import Atoms  # noqa: E402
+from ase.build import bulk, fcc111  # noqa: E402
+from metatomic_models import PositionsModel, tiny_metatomic  # noqa: E402
+from oracles import ase_results, relative_errors  # noqa: E402
+
+from ase_shard import ShardedCalculator  # noqa: E402
+from ase_shard.graph import LocalGraph  # noqa: E402
+from ase_shard.models.metatomic import Metatomic  # noqa: E402
+
+RTOL64 = 1e-10
+
+# name -> arguments of tiny_metatomic
+MODELS = {
+    # two message-passing layers over one full list: interaction_range 6 Å
+    "full": dict(mp_cutoff=3.0, mp_full=True),
+    # the same over a half list
+    "half": dict(mp_cutoff=3.0, mp_full=False),
+    # one layer over a half list
+    "half1": dict(mp_cutoff=3.0, mp_full=False, layers=1),
+    # two layers over a 2.7 Å full list and a pair term over a 5.4 Å full list:
+    # interaction_range 5.4 Å is one 5.4 Å cutoff but two hops of the short list
+    "mixed": dict(mp_cutoff=2.7, mp_full=True, pair_cutoff=5.4, pair_full=True),
+    # the same with a half list for the pair term
+    "mixed_half": dict(mp_cutoff=2.7, mp_full=True, pair_cutoff=5.4, pair_full=False),
+}
+
+
+def reference_results(model, atoms: Atoms, **kwargs) -> dict[str, np.ndarray]:
+    """What metatomic's own ASE calculator (the oracle) gives for ``atoms``."""
+    from metatomic_ase import MetatomicCalculator
+
+    with warnings.catch_warnings():
+        # metatomic_ase warns that a slab's stress is "likely to be wrong": it is the
+        # strain derivative over the cell volume, as ShardedCalculator's
+        warnings.filterwarnings("ignore", message="stress requested but likely")
+        return ase_results(MetatomicCalculator(model, **kwargs), atoms)
+
+
+def tiny_systems() -> dict[str, Atoms]:
+    """Small Cu/Ag/Au systems: periodic bulk, a general triclinic cell, a (T, T, F)
+    slab and a non-periodic molecule-like cluster (cell all zero)."""
+    bulk_atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat((2, 2, 1))  # 16 atoms
+    bulk_atoms.numbers[[1, 6, 11]] = [47, 79, 47]
+    bulk_atoms.rattle(0.1, seed=1)
+
+    rng = np.random.default_rng(4)
+    cell = np.array([[5.2, 0.0, 0.0], [1.9, 4.8, 0.0], [-1.1, 1.4, 5.0]])
+    triclinic = Atoms(cell=cell, pbc=True)
+    while len(triclinic) < 10:  # no two atoms (or images) closer than 2 Å
+        trial = triclinic + Atoms("Cu", positions=[rng.uniform(0.0, 1.0, 3) @ cell])
+        if len(trial) == 1 or trial.get_distances(-1, range(len(trial) - 1), mic=True).min() > 2:
+            triclinic = trial
+    triclinic.numbers = rng.choice([29, 47, 79], len(triclinic))
+
+    slab = fcc111("Ag", size=(2, 2, 3), vacuum=5.0, a=4.0)  # pbc (T, T, F)
+    slab.numbers[[0, 5, 9]] = [29, 79, 29]
+    slab.rattle(0.1, seed=2)
+
+    cluster = bulk("Au", "fcc", a=4.0, cubic=True).repeat((2, 2, 1))
+    cluster.numbers[rng.choice(len(cluster), 6, replace=False)] = [29, 29, 47, 47, 29, 47]
+    cluster.rattle(0.1, seed=3)
+    cluster.pbc = False
+    cluster.cell = np.zeros((3, 3))
+    return {"bulk": bulk_atoms, "triclinic": triclinic, "slab": slab, "molecule": cluster}
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: tiny_metatomic(**arguments) for name, arguments in MODELS.items()}
+
+
+def test_adapter_attributes(models) -> None:
+    full = Metatomic(models["full"])
+    assert full.cutoff == 3.0 and full.num_layers == 2
+    assert tuple(full.atomic_types) == (29, 47, 79)
+    assert full.energy_output == "energy" and full.dtype == torch.float64
+    assert not full.training and not full.model.training
+    # the halo of the largest cutoff, as many times as the shortest list's hops need
+    mixed = Metatomic(models["mixed"])
+    assert mixed.cutoff == 5.4 and mixed.num_layers == 2
+    assert mixed.cutoff * mixed.num_layers >= mixed.interaction_range == 5.4
+
+
+@pytest.mark.parametrize("system", ["bulk", "triclinic", "slab", "molecule"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_matches_metatomic_calculator(models, name: str, system: str) -> None:
+    atoms = tiny_systems()[system]
+    ref = reference_results(models[name], atoms)
+    got = ase_results(ShardedCalculator(Metatomic(models[name])), atoms)
+    assert set(got) == set(ref)
+    errors = relative_errors(got, ref)
+    assert max(errors.values()) <= RTOL64, errors
+    # nothing is zero by accident
+    assert np.abs(ref["forces"]).max() > 1e-2
+    assert system == "molecule" or np.abs(ref["stress"][3:]).max() > 1e-4
+
+
+def test_exported_file_and_scripted_model(models, tmp_path) -> None:
+    """A saved export (loaded by path) and its TorchScript module (torch.jit.load) give
+    the Python model's results."""
+    path = tmp_path / "tiny.pt"
+    models["half"].save(str(path))
+    atoms = tiny_systems()["triclinic"]
+    ref = reference_results(models["half"], atoms)
+    for model in (Metatomic(path), Metatomic(str(path)), Metatomic(torch.jit.load(str(path)))):
+        got = ase_results(ShardedCalculator(model), atoms)
+        errors = relative_errors(got, ref)
+        assert max(errors.values()) <= RTOL64, errors
+
+
+def test_variant() -> None:
+    model = tiny_metatomic(variants=("pbe",))
+    atoms = tiny_systems()["bulk"]
+    adapter = Metatomic(model, variant="pbe")
+    assert adapter.energy_output == "energy/pbe"
+    ref = reference_results(model, atoms, variants={"energy": "pbe"})
+    got = ase_results(ShardedCalculator(adapter), atoms)
+    errors = relative_errors(got, ref)
+    assert max(errors.values()) <= RTOL64, errors
+    default = ase_results(ShardedCalculator(Metatomic(model)), atoms)
+    assert np.isclose(got["energy"], 1.25 * default["energy"], rtol=1e-12)
+    with pytest.raises(ValueError, match="variant 'r2scan'"):
+        Metatomic(model, variant="r2scan")
+
+
+def test_pairs_are_listed_once() -> None:
+    """An edge and its exact reverse are one pair (labels +k and -k; an atom and its own
+    image too); an edge to a node whose own edges are not listed gets its reverse in a
+    full list; a half list has one edge per pair."""
+    adapter = Metatomic(tiny_metatomic())
+    v = torch.tensor(
+        [[1.0, 0.5, 0.0], [-1.0, -0.5, 0.0], [0.0, -2.9, 0.0], [0.0, 2.9, 0.0], [0.3, 1.1, 2.0]],
+        dtype=torch.float64,
+    )
+    graph = LocalGraph(
+        numbers=torch.tensor([29, 47, 79]),
+        edge_index=torch.tensor([[0, 1, 0, 0, 1], [1, 0, 0, 0, 2]]),
+        edge_vectors=v,
+        n_owned=2,
+    )
+    pairs = adapter._pairs(graph)
+    labels = pairs.label.tolist()
+    assert labels[0] == -labels[1] > 0 and labels[3] == -labels[2] > 0 and labels[4] > 0
+    assert len({abs(label) for label in labels}) == 3
+    assert pairs.half.tolist() == [True, False, False, True, True]
+    assert pairs.one_way.tolist() == [False] * 4 + [True] and not pairs.unpaired.any()
+    full = adapter._neighbor_list(pairs, 3.0, True)
+    half = adapter._neighbor_list(pairs, 2.5, False)
+    assert full.values.shape == (6, 3, 1) and half.values.shape == (2, 3, 1)
+    assert full.samples.values[5].tolist() == [2, 1, -labels[4], 0, 0]
+    assert torch.equal(full.values[5, :, 0], -v[4])
+    assert half.samples.values[:, 2].tolist() == [labels[0], labels[4]]  # 2.9 Å left out
+
+
+def test_half_list_refuses_unpaired_edges() -> None:
+    """Between two nodes whose edges are listed, an edge whose reverse is not listed
+    (it goes to another node: a ghost next to a periodic image of an owned atom)
+    cannot be put in a half list."""
+    adapter = Metatomic(tiny_metatomic(mp_full=False))
+    v = torch.tensor([[1.0, 0.5, 0.0], [-1.0, 0.5, 0.0]], dtype=torch.float64)
+    graph = LocalGraph(
+        numbers=torch.tensor([29, 47]),
+        # 0 -> 1 at v, and 1 -> 0 at another vector (to an image of 0)
+        edge_index=torch.tensor([[0, 1], [1, 0]]),
+        edge_vectors=v,
+        n_owned=1,
+    )
+    pairs = adapter._pairs(graph)
+    assert pairs.unpaired.tolist() == [True, True] and not pairs.one_way.any()
+    with pytest.raises(NotImplementedError, match="requests a half neighbour list"):
+        adapter._neighbor_list(pairs, 3.0, False)
+    assert adapter._neighbor_list(pairs, 3.0, True).values.shape == (2, 3, 1)
+
+
+def test_edge_vectors_are_not_modified(models) -> None:
+    vectors = torch.tensor([[1.0, 0.5, -0.3], [-1.0, -0.5, 0.3]], dtype=torch.float64)
+    graph = LocalGraph(
+        numbers=torch.tensor([29, 79]),
+        edge_index=torch.tensor([[0, 1], [1, 0]]),
+        edge_vectors=vectors.clone().requires_grad_(True),
+        n_owned=2,
+    )
+    energies = Metatomic(models["full"])(graph)
+    assert energies.shape == (2,) and energies.dtype == torch.float64
+    assert energies.requires_grad
+    assert torch.equal(graph.edge_vectors.detach(), vectors)
+
+
+def test_ghost_rows_are_zero(models) -> None:
+    """The owned atoms' energies only (selected_atoms): ghost rows stay zero."""
+    vectors = torch.tensor([[1.0, 0.5, -0.3], [-1.0, -0.5, 0.3]], dtype=torch.float64)
+    graph = LocalGraph(
+        numbers=torch.tensor([29, 79]),
+        edge_index=torch.tensor([[0], [1]]),
+        edge_vectors=vectors[:1].clone().requires_grad_(True),
+        n_owned=1,
+    )
+    energies = Metatomic(models["full"])(graph)
+    assert energies[1] == 0.0 and energies[0] != 0.0
+
+
+def test_refused_models() -> None:
+    with pytest.raises(ValueError, match="interaction_range is infinite"):
+        Metatomic(tiny_metatomic(interaction_range=math.inf))
+    with pytest.raises(TypeError, match="exported metatomic model"):
+        Metatomic(torch.nn.Linear(2, 2))
+    with pytest.raises(FileNotFoundError, match="no metatomic model file"):
+        Metatomic("/nonexistent/model.pt")
+
+
+def test_dtype_is_the_declared_one(models) -> None:
+    with pytest.raises(ValueError, match="cannot be cast to torch.float32"):
+        ShardedCalculator(Metatomic(models["full"]), dtype=torch.float32)
+    calc = ShardedCalculator(Metatomic(models["full"]), dtype="float64")
+    assert calc.dtype == torch.float64
+
+
+def test_model_reading_positions_is_refused() -> None:
+    """The System's positions are unknown (NaN): a model that computes from them would
+    not differentiate through the edge vectors, and says so."""
+    atoms = tiny_systems()["bulk"]
+    calc = ShardedCalculator(Metatomic(PositionsModel.exported()))
+    atoms.calc = calc
+    with pytest.raises(RuntimeError, match="do not depend on the neighbour-list vectors"):
+        atoms.get_potential_energy()
