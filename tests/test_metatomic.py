@@ -8,6 +8,7 @@ two lists of different cutoffs. Results must agree to 1e-10 relative.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -58,7 +59,13 @@ def reference_results(model, atoms: Atoms, **kwargs) -> dict[str, np.ndarray]:
 
 def tiny_systems() -> dict[str, Atoms]:
     """Small Cu/Ag/Au systems: periodic bulk, a general triclinic cell, a (T, T, F)
-    slab and a non-periodic molecule-like cluster (cell all zero)."""
+    slab and a non-periodic molecule-like cluster (cell all zero); fresh copies."""
+    return {name: atoms.copy() for name, atoms in _tiny_systems().items()}
+
+
+@functools.cache
+def _tiny_systems() -> dict[str, Atoms]:
+    # built once: placing the triclinic cell's atoms by rejection takes seconds
     bulk_atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat((2, 2, 1))  # 16 atoms
     bulk_atoms.numbers[[1, 6, 11]] = [47, 79, 47]
     bulk_atoms.rattle(0.1, seed=1)
