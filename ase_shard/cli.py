@@ -5,6 +5,7 @@
     ase-shard md [STRUCTURE] [options]     molecular dynamics of a file or a built-in system
     ase-shard bench [STRUCTURE] [options]  time the bare model and ShardedCalculator
     ase-shard info [--models]              MPI library, ranks, devices, versions, models
+    ase-shard check --model MODEL          a model on P ranks vs 1 rank vs its own calculator
     mpirun -n 4 ase-shard md ...           the same, on 4 ranks
 
 Every rank runs the same command (SPMD): all ranks read the same file, build
@@ -50,6 +51,7 @@ from ase_shard.presets import (
     CHGNET_MODELS,
     MODEL_FILES,
     NO_EDGE,
+    PREFIXED_FILES,
     SEVENN_CHECKPOINTS,
     SYSTEMS,
     CLIError,
@@ -147,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_md(subparsers)
     add_bench(subparsers)
     add_info(subparsers)
+    add_check(subparsers)
     return parser
 
 
@@ -166,8 +169,10 @@ def _add_model_options(parser: argparse.ArgumentParser, bench: bool) -> None:
         metavar="MODEL",
         help="potential: emt, lj (argon), morse (copper-like), a pretrained SevenNet "
         "checkpoint shipped with sevenn (7net-0, 7net-l3i5, 7net-mf-0, ...: see "
-        "`ase-shard info --models`), or a model file: SevenNet .pth, MACE .model, "
-        f"NequIP/Allegro .nequip.zip or .ckpt (default: the system's; emt for files){more}",
+        "`ase-shard info --models`), CHGNet (chgnet, chgnet-0.2.0, ...), or a model file: "
+        "SevenNet .pth, MACE .model, NequIP/Allegro .nequip.zip or .ckpt, or KIND:PATH "
+        "(sevenn, mace, nequip, metatomic: e.g. metatomic:pet-mad.pt) (default: the "
+        f"system's; emt for files){more}",
     )
     parser.add_argument(
         "--modality",
@@ -551,8 +556,15 @@ def add_info(subparsers: argparse._SubParsersAction) -> None:
     info.add_argument(
         "--models",
         action="store_true",
-        help="list the models --model takes here instead: built-ins, the pretrained "
-        "checkpoints found, and which model-file adapters import",
+        help="list the models --model takes here instead: built-ins and the pretrained "
+        "models found, each with its cutoff, layers, elements and heads, and which "
+        "model-file adapters import",
+    )
+    info.add_argument(
+        "--model",
+        metavar="MODEL",
+        help="describe one model instead (a name or a file, as md's --model takes): "
+        "cutoff, layers, elements, heads",
     )
     info.set_defaults(run=run_info)
 
@@ -561,6 +573,12 @@ def run_info(args: argparse.Namespace) -> int:
     """``ase-shard info``: what this job runs on (rank 0 prints)."""
     if args.models:
         parprint("\n".join(models_report()), flush=True)
+        return 0
+    if args.model is not None:
+        spec = resolve_model(args.model)
+        from ase_shard.catalog import describe
+
+        parprint(f"{spec.label}: {describe(spec)}", flush=True)
         return 0
     import torch
 
@@ -609,23 +627,72 @@ def run_info(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- check
+
+
+def add_check(subparsers: argparse._SubParsersAction) -> None:
+    """Declare ``ase-shard check``."""
+    check = subparsers.add_parser(
+        "check",
+        help="is a model exact here: P ranks vs 1 rank vs the model's own ASE calculator",
+        description="On four small geometries of the model's elements (periodic cubic and "
+        "triclinic bulk, a slab, a cluster): one rank of ShardedCalculator against the "
+        "model's own ASE calculator (rank 0), and all ranks of this job against one rank. "
+        "Rank 0 prints the relative differences of energy, forces and stress. Run it under "
+        "mpirun with the rank count to check. Exit codes: 0 all within the tolerance of "
+        "the dtype (1e-8 float64, 1e-5 float32), 1 some difference above it, 2 usage or "
+        "input error.",
+    )
+    _add_model_options(check, bench=False)
+    check.add_argument(
+        "--elements",
+        metavar="A,B",
+        help="elements of the geometries, comma-separated (default: two of the model's, "
+        "common metals first)",
+    )
+    _add_calculator_options(check)
+    check.set_defaults(run=run_check)
+
+
+def run_check(args: argparse.Namespace) -> int:
+    """``ase-shard check``: :func:`ase_shard.check.run`."""
+    spec = resolve_model(args.model or "emt")
+    from ase_shard import check  # torch, the calculator and the model: only now
+
+    return check.run(args, spec)
+
+
 def models_report() -> list[str]:
-    """``info --models``: built-ins, checkpoints found, and the adapters' packages."""
+    """``info --models``: built-ins, pretrained models found (each with its reach,
+    elements and heads: :func:`ase_shard.catalog.describe`) and the model-file kinds
+    whose adapters import here."""
+    from ase_shard.catalog import describe  # builds the models: torch, only now
+
+    def described(name: str) -> str:
+        try:
+            return describe(resolve_model(name))
+        except Exception as exc:  # a broken package: say so, list the rest
+            return f"cannot be built here: {type(exc).__name__}: {exc}"
+
     lines = ["built-in       " + ", ".join(BUILTIN_MODELS)]
+    lines += [f"  {name:<17} {described(name)}" for name in BUILTIN_MODELS]
     shipped = shipped_checkpoints()
     lines.append("pretrained     " + (", ".join(shipped) or "none (sevenn not installed)"))
-    lines += [f"  {name:<17} {path}" for name, path in shipped.items()]
+    for name, path in shipped.items():
+        lines += [f"  {name:<17} {described(name)}", f"  {'':<17} {path}"]
     missing = [name for name in SEVENN_CHECKPOINTS if name not in shipped]
     if missing:
         lines.append(f"  {'not here':<17} " + ", ".join(missing) + " (sevenn downloads them)")
-    lines.append(
-        "chgnet         "
-        + ", ".join(f"{name} ({version})" for name, version in CHGNET_MODELS.items())
-        + f", shipped in the chgnet wheel: {_adapter_state('chgnet')}"
-    )
-    lines.append("model files")
+    state = _adapter_state("chgnet")
+    lines.append(f"chgnet         shipped in the chgnet wheel: {state}")
+    for name, version in CHGNET_MODELS.items():
+        about = described(name) if state.startswith("yes") else "not installed"
+        lines.append(f"  {name:<17} {version}: {about}")
+    lines.append("model files    (`ase-shard info --model FILE` describes one)")
     for ending, (kind, what) in MODEL_FILES.items():
         lines.append(f"  {ending:<17} {what}: {_adapter_state(kind)}")
+    for kind, what in PREFIXED_FILES.items():
+        lines.append(f"  {kind + ':PATH':<17} {what}: {_adapter_state(kind)}")
     return lines
 
 

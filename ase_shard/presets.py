@@ -62,12 +62,20 @@ MODEL_FILES = {
     ".nequip.zip": ("nequip", "NequIP/Allegro package"),
     ".ckpt": ("nequip", "NequIP/Allegro checkpoint"),
 }
+# model files named KIND:PATH, for endings that several packages use (.pt, .pth)
+PREFIXED_FILES = {
+    "sevenn": "SevenNet checkpoint",
+    "mace": "MACE model",
+    "nequip": "NequIP/Allegro package or checkpoint",
+    "metatomic": "exported metatomic model (e.g. PET-MAD)",
+}
 # adapter kind -> (module it imports, its distribution)
 ADAPTER_PACKAGES = {
     "sevenn": ("sevenn", "sevenn"),
     "mace": ("mace", "mace-torch"),
     "nequip": ("nequip", "nequip"),
     "chgnet": ("chgnet", "chgnet"),
+    "metatomic": ("metatomic.torch", "metatomic-torch"),
 }
 # fcc argon at the density of the liquid near its boiling point, 1.40 g/cm³
 ARGON_LIQUID_A = 5.74
@@ -76,8 +84,8 @@ ARGON_LIQUID_A = 5.74
 @dataclass(frozen=True)
 class ModelSpec:
     """A resolved ``--model``: ``kind`` is ``builtin``, ``bench`` (random weights),
-    ``sevenn``, ``mace``, ``nequip`` or ``chgnet``; ``source`` the name (CHGNet's own,
-    e.g. ``0.3.0``, for ``chgnet``) or the file path;
+    ``sevenn``, ``mace``, ``nequip``, ``chgnet`` or ``metatomic``; ``source`` the name
+    (CHGNet's own, e.g. ``0.3.0``, for ``chgnet``) or the file path;
     ``label`` what the run prints; ``argument`` the ``--model`` value that finds
     the model again from any directory (the name, or the file's absolute path),
     which ``ase-shard md`` records in its frames for ``--restart``."""
@@ -126,7 +134,8 @@ def model_choices(bench: bool = False) -> list[str]:
 
 
 def resolve_model(name: str, bench: bool = False) -> ModelSpec:
-    """``--model NAME``: a built-in potential, a shipped checkpoint or a model file.
+    """``--model NAME``: a built-in potential, a shipped checkpoint or a model file
+    (named after its kind by its ending, or as ``KIND:PATH``).
 
     Raises
     ------
@@ -143,16 +152,25 @@ def resolve_model(name: str, bench: bool = False) -> ModelSpec:
         return ModelSpec("sevenn", str(shipped[key]), key, key)
     if key in CHGNET_MODELS:
         return ModelSpec("chgnet", CHGNET_MODELS[key], key, key)
+    kind, colon, path = name.partition(":")
+    if colon and kind in PREFIXED_FILES:
+        if not os.path.isfile(path):
+            raise CLIError(f"--model {name}: no {PREFIXED_FILES[kind]} file at {path!r}")
+        return ModelSpec(kind, path, name, f"{kind}:{os.path.abspath(path)}")
+    prefixes = ", ".join(f"{kind}:PATH" for kind in PREFIXED_FILES)
     if os.path.isfile(name):
         for ending, (kind, _) in MODEL_FILES.items():
             if name.endswith(ending):
                 return ModelSpec(kind, name, name, os.path.abspath(name))
         endings = ", ".join(f"{e} ({what})" for e, (_, what) in MODEL_FILES.items())
-        raise CLIError(f"model file {name!r}: name it after its kind: {endings}")
+        raise CLIError(
+            f"model file {name!r}: name it after its kind ({endings}) or say the kind: "
+            f"{prefixes}"
+        )
     hint = " (sevenn downloads it; not available offline)" if key in SEVENN_CHECKPOINTS else ""
     raise CLIError(
         f"unknown model {name!r}{hint}: choose {', '.join(model_choices(bench))}, "
-        f"or a model file ({', '.join(MODEL_FILES)})"
+        f"a model file ({', '.join(MODEL_FILES)}), or {prefixes}"
     )
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from ase.build import bulk, molecule
+from ase.data import atomic_numbers, chemical_symbols
 from ase.io import read, write
 from background import launch_in_background
 
@@ -69,12 +70,45 @@ def test_model_file_of_unknown_kind_exit_2(tmp_path: Path, capsys) -> None:
 
 
 def test_info_models_lists_shipped_checkpoints(capsys) -> None:
+    """Each pretrained model with its reach, elements and heads, read here from the
+    checkpoints themselves with sevenn's own loader (the oracle)."""
+    import sevenn.util
+
     assert main(["info", "--models"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^built-in +emt, lj, morse$", out, re.MULTILINE)
     for name, path in SHIPPED.items():
         assert path.is_file() and f"{name}" in out and str(path) in out
+        network = sevenn.util.load_checkpoint(str(path)).build_model()
+        line = re.search(rf"^  {re.escape(name)} +(.*)$", out, re.MULTILINE)[1]
+        assert line.startswith(f"cutoff {float(network.cutoff):g} Å x 5 layers (layer halo)")
+        assert listed_elements(line) == {chemical_symbols[z] for z in network.type_map}
+        modalities = list(network.modal_map or ())
+        assert ("; heads " + ", ".join(modalities) in line) == (len(modalities) > 1), line
     assert re.search(r"\.pth +SevenNet checkpoint: yes \(sevenn ", out)
+    assert re.search(r"metatomic:PATH +exported metatomic model", out)
+
+
+def listed_elements(line: str) -> set[str]:
+    """The symbols of ``... N elements: H, C-O, Al`` with ranges expanded."""
+    listed = line.split("elements: ")[1].split(";")[0]
+    symbols = set()
+    for part in listed.split(", "):
+        first, _, last = part.partition("-")
+        z = atomic_numbers[first]
+        symbols.update(chemical_symbols[z : atomic_numbers[last or first] + 1])
+    return symbols
+
+
+def test_info_describes_one_model(capsys) -> None:
+    """``info --model``: EMT's elements are those of ASE's EMT parameter table."""
+    from ase.calculators.emt import parameters
+
+    assert main(["info", "--model", "emt"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("emt: cutoff ") and "x 1 layer (full halo)" in line
+    assert listed_elements(line) == set(parameters)
+    assert f"{len(parameters)} elements" in line
 
 
 @needs_7net0

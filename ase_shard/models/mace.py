@@ -90,6 +90,9 @@ class MACE(torch.nn.Module):
         ``model.num_interactions``: the receptive field is ``r_max`` times this.
     atomic_types : tuple of int
         ``model.atomic_numbers``, the elements the model supports.
+    heads : tuple of str
+        The model's readout heads (``("Default",)`` for a single-head model);
+        ``head`` is the one used.
 
     The model's dtype is kept (``ShardedCalculator`` reads it from the
     parameters); ``ShardedCalculator(MACE(...), dtype=torch.float64)`` casts
@@ -130,7 +133,8 @@ class MACE(torch.nn.Module):
             parameter.requires_grad_(False)
         self.scale_shift = isinstance(model, scale_shift_cls)
         self.head_index = _select_head(getattr(model, "heads", None) or ["Default"], head)
-        self.head = (getattr(model, "heads", None) or ["Default"])[self.head_index]
+        self.heads = tuple(str(name) for name in getattr(model, "heads", None) or ["Default"])
+        self.head = self.heads[self.head_index]
 
         numbers = [int(z) for z in model.atomic_numbers.tolist()]
         self.cutoff = float(model.r_max)

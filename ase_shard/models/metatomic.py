@@ -130,6 +130,8 @@ class Metatomic(torch.nn.Module):
         The model's ``capabilities().atomic_types`` (atomic numbers).
     energy_output : str
         The name of the output used, e.g. ``"energy"`` or ``"energy/pbe"``.
+    heads : tuple of str
+        The model's energy outputs (variants), ``energy_output`` among them.
     model : AtomisticModel
         The wrapped model.
 
@@ -167,6 +169,9 @@ class Metatomic(torch.nn.Module):
         outputs = capabilities.outputs
         if not any(name == "energy" or name.startswith("energy/") for name in outputs):
             raise ValueError(f"the model has no energy output (its outputs: {sorted(outputs)})")
+        self.heads = tuple(
+            str(name) for name in outputs if name == "energy" or name.startswith("energy/")
+        )
         try:
             self.energy_output = str(mta.pick_output("energy", outputs, variant))
         except RuntimeError as exc:

@@ -119,6 +119,13 @@ class SevenNet(torch.nn.Module):
 
     supports_layer_halo = True
 
+    @staticmethod
+    def modalities(model: Any = "7net-0") -> tuple[str, ...]:
+        """The fidelities of a checkpoint (``modal=`` choices); empty for a
+        single-fidelity model."""
+        network, _ = _load_sevenn_model(model)
+        return tuple(str(name) for name in network.modal_map or ())
+
     def __init__(self, model: Any = "7net-0", *, modal: str | None = None):
         super().__init__()
         network, config = _load_sevenn_model(model)

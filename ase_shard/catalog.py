@@ -1,0 +1,64 @@
+"""What a model is, for ``ase-shard info``: its reach, elements and heads.
+
+Built from the adapter itself (:func:`ase_shard.md.build_model`), so the listing says
+what a run with that ``--model`` would use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ase.data import chemical_symbols
+
+from ase_shard.md import build_model
+from ase_shard.presets import ModelSpec
+
+
+def element_ranges(numbers: Sequence[int]) -> str:
+    """Elements as symbols in order of atomic number, three or more consecutive ones
+    as a range: ``[1, 2, 3, 5, 29]`` -> ``"H-Li, B, Cu"``."""
+    numbers = sorted(set(int(z) for z in numbers))
+    runs: list[list[int]] = []
+    for z in numbers:
+        if runs and z == runs[-1][-1] + 1:
+            runs[-1].append(z)
+        else:
+            runs.append([z])
+    parts = []
+    for run in runs:
+        if len(run) >= 3:
+            parts.append(f"{chemical_symbols[run[0]]}-{chemical_symbols[run[-1]]}")
+        else:
+            parts.extend(chemical_symbols[z] for z in run)
+    return ", ".join(parts)
+
+
+def describe(spec: ModelSpec) -> str:
+    """One line: cutoff and layers (and the halo they allow), elements, heads.
+
+    A multi-fidelity SevenNet checkpoint is built with its first fidelity: they
+    share elements and reach.
+    """
+    modality = None
+    heads: tuple[str, ...] = ()
+    if spec.kind == "sevenn":
+        from ase_shard.models import SevenNet
+
+        heads = SevenNet.modalities(spec.source)
+        modality = heads[0] if heads else None
+    model = build_model(spec, modality)
+    heads = heads or tuple(getattr(model, "heads", ()))
+    halo = "layer halo" if getattr(model, "supports_layer_halo", False) else "full halo"
+    layers = int(model.num_layers)
+    reach = f"cutoff {model.cutoff:g} Å x {layers} layer{'s' if layers > 1 else ''} ({halo})"
+    types = getattr(model, "atomic_types", None)
+    elements = (
+        "any element"
+        if types is None
+        else f"{len(set(types))} element{'s' if len(set(types)) > 1 else ''}: "
+        f"{element_ranges(types)}"
+    )
+    line = f"{reach}; {elements}"
+    if len(heads) > 1:
+        line += f"; heads {', '.join(heads)}"
+    return line
