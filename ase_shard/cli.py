@@ -668,11 +668,17 @@ def models_report() -> list[str]:
     whose adapters import here."""
     from ase_shard.catalog import describe  # builds the models: torch, only now
 
+    seen: dict[tuple[str, str], str] = {}  # aliases (chgnet, chgnet-0.3.0) built once
+
     def described(name: str) -> str:
-        try:
-            return describe(resolve_model(name))
-        except Exception as exc:  # a broken package: say so, list the rest
-            return f"cannot be built here: {type(exc).__name__}: {exc}"
+        spec = resolve_model(name)
+        key = (spec.kind, spec.source)
+        if key not in seen:
+            try:
+                seen[key] = describe(spec)
+            except Exception as exc:  # a broken package: say so, list the rest
+                seen[key] = f"cannot be built here: {type(exc).__name__}: {exc}"
+        return seen[key]
 
     lines = ["built-in       " + ", ".join(BUILTIN_MODELS)]
     lines += [f"  {name:<17} {described(name)}" for name in BUILTIN_MODELS]

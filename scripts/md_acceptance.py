@@ -69,6 +69,7 @@ from sharded import COMM, identical_on_all_ranks, on_root, serial_comm, thermali
 from soak import run_nve_soak
 
 from ase_shard import ShardedCalculator
+from ase_shard.check import results
 from ase_shard.distributed import distribute, gather
 from ase_shard.models import EMT, LennardJones
 
@@ -102,16 +103,6 @@ class Table:
         if COMM.is_root:
             print(f"\n== summary, {COMM.size} MPI rank(s)")
             print("\n".join(self.line(row) for row in self.rows))
-
-
-def fresh_results(atoms: Atoms, calc) -> dict:
-    """Energy, forces and (if periodic in 3D) stress of a copy of ``atoms`` with ``calc``."""
-    atoms = atoms.copy()
-    atoms.calc = calc
-    out = {"energy": np.array(atoms.get_potential_energy()), "forces": atoms.get_forces()}
-    if atoms.cell.rank == 3:
-        out["stress"] = atoms.get_stress()
-    return out
 
 
 def worst_error(got: dict, ref: dict) -> float:
@@ -199,7 +190,7 @@ def case_soak(table: Table, skin: float) -> None:
             track["owners"] = now
         if dyn.nsteps % check_every == 0:
             got = {"forces": atoms.get_forces(), "energy": np.array(atoms.get_potential_energy())}
-            track["errors"].append(on_root(lambda: worst_error(got, fresh_results(atoms, oracle))))
+            track["errors"].append(on_root(lambda: worst_error(got, results(atoms, oracle))))
 
     dyn.attach(observe, interval=1)
     elapsed = time.perf_counter()
@@ -210,10 +201,10 @@ def case_soak(table: Table, skin: float) -> None:
     final = {"energy": np.array(atoms.get_potential_energy()), "forces": atoms.get_forces()}
     final["stress"] = atoms.get_stress()
     serial = on_root(
-        lambda: fresh_results(atoms, ShardedCalculator(LennardJones(**ARGON), comm=serial_comm()))
+        lambda: results(atoms, ShardedCalculator(LennardJones(**ARGON), comm=serial_comm()))
     )
     vs_serial = worst_error(final, serial)
-    vs_ase = on_root(lambda: worst_error(final, fresh_results(atoms, oracle)))
+    vs_ase = on_root(lambda: worst_error(final, results(atoms, oracle)))
     conserved = (
         len(atoms) == n and (atoms.numbers == numbers).all() and (atoms.arrays["ids"] == ids).all()
     )
@@ -348,10 +339,10 @@ def case_npt(table: Table, skin: float) -> None:
             got = {"stress": atoms.get_stress(), "forces": atoms.get_forces()}
             errors["same"].append(identical_on_all_ranks(got["stress"], got["forces"]))
             serial = on_root(
-                lambda: fresh_results(atoms, ShardedCalculator(EMT(), comm=serial_comm()))
+                lambda: results(atoms, ShardedCalculator(EMT(), comm=serial_comm()))
             )
             errors["serial"].append(worst_error(got, serial))
-            errors["ase"].append(on_root(lambda: worst_error(got, fresh_results(atoms, AseEMT()))))
+            errors["ase"].append(on_root(lambda: worst_error(got, results(atoms, AseEMT()))))
 
         dyn.attach(check, interval=check_every)
         elapsed = time.perf_counter()

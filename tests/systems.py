@@ -140,3 +140,21 @@ def alloy_in_equivalent_cells() -> tuple[Atoms, Atoms]:
     sheared.set_cell(vectors)
     sheared.wrap()
     return cubic, sheared
+
+
+def ag_slab() -> Atoms:
+    """12 Ag/Cu/Au atoms, fcc(111) with 5 Å of vacuum, pbc (T, T, F), rattled."""
+    slab = fcc111("Ag", size=(2, 2, 3), vacuum=5.0, a=4.0)
+    slab.numbers[[0, 5, 9]] = [29, 79, 29]
+    slab.rattle(0.1, seed=2)
+    return slab
+
+
+def au_cluster(rng: np.random.Generator) -> Atoms:
+    """16 Au/Cu/Ag atoms without a cell (non-periodic), six substituted at random."""
+    cluster = bulk("Au", "fcc", a=4.0, cubic=True).repeat((2, 2, 1))
+    cluster.numbers[rng.choice(len(cluster), 6, replace=False)] = [29, 29, 47, 47, 29, 47]
+    cluster.rattle(0.1, seed=3)
+    cluster.pbc = False
+    cluster.cell = np.zeros((3, 3))
+    return cluster

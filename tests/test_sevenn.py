@@ -20,8 +20,9 @@ pytest.importorskip("sevenn")
 
 import torch  # noqa: E402
 from ase import Atoms  # noqa: E402
-from ase.build import bulk, fcc111  # noqa: E402
+from ase.build import bulk  # noqa: E402
 from oracles import ase_results, relative_errors  # noqa: E402
+from systems import ag_slab, au_cluster  # noqa: E402
 
 from ase_shard import ShardedCalculator  # noqa: E402
 from ase_shard.models.sevenn import SevenNet  # noqa: E402
@@ -124,15 +125,8 @@ def tiny_systems() -> dict[str, Atoms]:
     bulk_atoms.numbers[[1, 4]] = [47, 79]
     bulk_atoms.rattle(0.1, seed=1)
 
-    slab = fcc111("Ag", size=(2, 2, 3), vacuum=5.0, a=4.0)  # pbc (T, T, F)
-    slab.numbers[[0, 5, 9]] = [29, 79, 29]
-    slab.rattle(0.1, seed=2)
-
-    cluster = bulk("Au", "fcc", a=4.0, cubic=True).repeat((2, 2, 1))
-    cluster.numbers[rng.choice(len(cluster), 6, replace=False)] = [29, 29, 47, 47, 29, 47]
-    cluster.rattle(0.1, seed=3)
-    cluster.pbc = False
-    cluster.cell = np.zeros((3, 3))
+    slab = ag_slab()  # pbc (T, T, F)
+    cluster = au_cluster(rng)
     return {"bulk": bulk_atoms, "slab": slab, "cluster": cluster}
 
 
