@@ -123,8 +123,15 @@ class SevenNet(torch.nn.Module):
     def modalities(model: Any = "7net-0") -> tuple[str, ...]:
         """The fidelities of a checkpoint (``modal=`` choices); empty for a
         single-fidelity model."""
-        network, _ = _load_sevenn_model(model)
-        return tuple(str(name) for name in network.modal_map or ())
+        if isinstance(model, (str, os.PathLike)):
+            import sevenn.util
+
+            # read from the checkpoint's config: building the network takes seconds
+            config = sevenn.util.load_checkpoint(os.fspath(model)).config
+            modal_map = config.get("_modal_map") if config.get("use_modality") else None
+        else:
+            modal_map = _load_sevenn_model(model)[0].modal_map
+        return tuple(str(name) for name in modal_map or ())
 
     def __init__(self, model: Any = "7net-0", *, modal: str | None = None):
         super().__init__()
