@@ -52,6 +52,15 @@ def _cast_outputs(module: torch.nn.Module, data: dict, dtype: torch.dtype) -> No
             data[key] = data[key].to(dtype)
 
 
+def _checkpoint(model: str | os.PathLike):
+    """sevenn's checkpoint of a path or pretrained name (the network not yet built)."""
+    import sevenn.util
+
+    # load_checkpoint takes an existing file as is; otherwise it resolves a pretrained
+    # name (e.g. "7net-0") to the checkpoint shipped inside the sevenn package
+    return sevenn.util.load_checkpoint(os.fspath(model))
+
+
 def _load_sevenn_model(model: Any) -> tuple[torch.nn.Module, dict | None]:
     """An ``AtomGraphSequential`` (and its config) from a path, pretrained name or module."""
     from sevenn.nn.sequential import AtomGraphSequential
@@ -59,11 +68,7 @@ def _load_sevenn_model(model: Any) -> tuple[torch.nn.Module, dict | None]:
     if isinstance(model, AtomGraphSequential):
         return model, None
     if isinstance(model, (str, os.PathLike)):
-        import sevenn.util
-
-        # load_checkpoint takes an existing file as is; otherwise it resolves a pretrained
-        # name (e.g. "7net-0") to the checkpoint shipped inside the sevenn package
-        checkpoint = sevenn.util.load_checkpoint(os.fspath(model))
+        checkpoint = _checkpoint(model)
         return checkpoint.build_model(), checkpoint.config
     raise TypeError(
         "SevenNet expects a checkpoint path, a pretrained name such as '7net-0' or a "
@@ -124,10 +129,8 @@ class SevenNet(torch.nn.Module):
         """The fidelities of a checkpoint (``modal=`` choices); empty for a
         single-fidelity model."""
         if isinstance(model, (str, os.PathLike)):
-            import sevenn.util
-
             # read from the checkpoint's config: building the network takes seconds
-            config = sevenn.util.load_checkpoint(os.fspath(model)).config
+            config = _checkpoint(model).config
             modal_map = config.get("_modal_map") if config.get("use_modality") else None
         else:
             modal_map = _load_sevenn_model(model)[0].modal_map
