@@ -22,6 +22,9 @@ seeds NumPy for each test) and must agree on its outcome.
 
 The failures that are not ours are listed in ``excused.py``; they are marked
 ``xfail(strict=True)``, so an excuse that no longer fails fails the run too.
+``--record-reached FILE`` (one process) lists the tests that reached our calculators;
+``--only-reached FILE`` (under mpirun) runs only those: the others run each rank's ASE
+alone there and check nothing of ours.
 ``--ase-calculators`` runs the same tests with ASE's own calculators, for reference.
 """
 
@@ -69,7 +72,19 @@ def _model_parameters(cls: type, kwargs: dict) -> dict:
     }
 
 
-class EMT(ShardedCalculator):
+class _Swapped(ShardedCalculator):
+    """A ShardedCalculator in place of one of ASE's; records the ASE tests that reach it."""
+
+    def __init__(self, model, **kwargs):
+        _reached()
+        super().__init__(model, timeout=RANKS_TIMEOUT, **kwargs)
+
+    def calculate(self, *args, **kwargs):
+        _reached()
+        super().calculate(*args, **kwargs)
+
+
+class EMT(_Swapped):
     """``ase.calculators.emt.EMT(**kwargs)`` evaluated by ``ase_shard.models.EMT``."""
 
     default_parameters = dict(ASE_EMT.default_parameters)
@@ -79,10 +94,10 @@ class EMT(ShardedCalculator):
             raise NotImplementedError(
                 "ase_shard.models.EMT implements asap_cutoff=False (ASE's default) only"
             )
-        super().__init__(models.EMT(), timeout=RANKS_TIMEOUT, **kwargs)
+        super().__init__(models.EMT(), **kwargs)
 
 
-class LennardJones(ShardedCalculator):
+class LennardJones(_Swapped):
     """``ase.calculators.lj.LennardJones(**kwargs)`` evaluated by
     ``ase_shard.models.LennardJones``."""
 
@@ -90,12 +105,12 @@ class LennardJones(ShardedCalculator):
 
     def __init__(self, **kwargs):
         model = models.LennardJones(**_model_parameters(LennardJones, kwargs))
-        super().__init__(model, timeout=RANKS_TIMEOUT, **kwargs)
+        super().__init__(model, **kwargs)
         # ASE stores the defaults it derives
         self.parameters.update(rc=model.rc, ro=model.ro)
 
 
-class MorsePotential(ShardedCalculator):
+class MorsePotential(_Swapped):
     """``ase.calculators.morse.MorsePotential(neighbor_list, **kwargs)`` evaluated by
     ``ase_shard.models.Morse``.
 
@@ -107,7 +122,7 @@ class MorsePotential(ShardedCalculator):
 
     def __init__(self, neighbor_list=None, **kwargs):
         model = models.Morse(**_model_parameters(MorsePotential, kwargs))
-        super().__init__(model, timeout=RANKS_TIMEOUT, **kwargs)
+        super().__init__(model, **kwargs)
 
 
 # where ASE's classes are looked up: the modules (ase.calculators.calculator.
@@ -161,11 +176,84 @@ def ase_test_id(item: pytest.Item) -> str:
     return f"{item.path.relative_to(ASE_TESTS).as_posix()}::{item.name}"
 
 
+# -- which of ASE's tests reach our calculators --------------------------------------------
+
+# ASE's test running now (``ase_test_id``), and those that constructed one of our
+# calculators or calculated with one. A selected file may never reach them (ASE's MD
+# tests that use asap3's EMT, tests of other calculators in the same file): under
+# mpirun such a test runs each rank's ASE alone, as in one process, and checks nothing
+# of ours. ``--record-reached`` (one process) writes the list; ``--only-reached`` (the
+# mpirun run) runs only the tests it names.
+_running: str | None = None
+_REACHED: set[str] = set()
+# tests whose calculator is built only in a process they start, which the recording does
+# not see: they always run
+REACHED_IN_SUBPROCESS: dict[str, str] = {
+    "calculator/socketio/test_python_interface.py::test_socketio_python": (
+        "its socket client, a Python that ASE starts, unpickles and runs our EMT class; "
+        "under mpirun, that process must not join the job"
+    ),
+}
+
+
+def _reached() -> None:
+    if _running is not None:
+        _REACHED.add(_running)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    global _running
+    _running = ase_test_id(item) if item.path.is_relative_to(ASE_TESTS) else None
+    try:
+        return (yield)
+    finally:
+        _running = None
+
+
+def pytest_sessionfinish(session) -> None:
+    record = session.config.option.record_reached
+    if record and COMM.rank == 0:
+        Path(record).write_text("".join(f"{test_id}\n" for test_id in sorted(_REACHED)))
+
+
+def _only_reached(config, items: list[pytest.Item]) -> None:
+    """Deselect ASE's tests that the ``--only-reached`` file does not name (excused ones
+    stay: their strict xfail must still be checked)."""
+    path = Path(config.option.only_reached)
+    if not path.is_file():
+        raise pytest.UsageError(
+            f"--only-reached {path}: no such file; write it with a run in one process "
+            f"and --record-reached {path}"
+        )
+    keep = set(path.read_text().split()).union(EXCUSED, EXCUSED_UNDER_MPI, REACHED_IN_SUBPROCESS)
+    dropped = [
+        item
+        for item in items
+        if item.path.is_relative_to(ASE_TESTS) and ase_test_id(item) not in keep
+    ]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if item not in set(dropped)]
+
+
 def pytest_addoption(parser) -> None:
     parser.addoption(
         "--ase-calculators",
         action="store_true",
         help="run the selected tests with ASE's own calculators (reference)",
+    )
+    parser.addoption(
+        "--record-reached",
+        metavar="FILE",
+        help="write to FILE the ids of ASE's tests that constructed or calculated with "
+        "one of our calculators",
+    )
+    parser.addoption(
+        "--only-reached",
+        metavar="FILE",
+        help="run only the ASE tests that FILE (from --record-reached) names, and the "
+        "excused ones",
     )
 
 
@@ -203,19 +291,20 @@ def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
     collected = {ase_test_id(item): item for item in items if item.path.is_relative_to(ASE_TESTS)}
     files = {test_id.split("::")[0] for test_id in collected}
     stale = []
-    for excused, here in ((EXCUSED, True), (EXCUSED_UNDER_MPI, COMM.size > 1)):
-        for test_id, reason in excused.items():
+    named = ((EXCUSED, True), (EXCUSED_UNDER_MPI, COMM.size > 1), (REACHED_IN_SUBPROCESS, False))
+    for tests, xfail_here in named:
+        for test_id, reason in tests.items():
             item = collected.get(test_id)
             if item is None:
                 file = ASE_TESTS / test_id.split("::")[0]
                 if not (file.exists() and selected(file)) or test_id.split("::")[0] in files:
                     stale.append(test_id)  # its file does not run, or ran without it
-            elif here:
+            elif xfail_here:
                 item.add_marker(pytest.mark.xfail(reason=reason, strict=True))
     if stale:
-        raise pytest.UsageError(
-            f"tests/ase_conformance/excused.py names tests that do not run: {stale}"
-        )
+        raise pytest.UsageError(f"tests/ase_conformance names tests that do not run: {stale}")
+    if config.option.only_reached:
+        _only_reached(config, items)
 
 
 def _random_state_digest() -> str:
