@@ -204,6 +204,11 @@ def test_7net0_attributes(sevennet0) -> None:
     assert sevennet0.num_layers == 5
     assert len(sevennet0.atomic_types) == 89
     assert next(sevennet0.parameters()).dtype == torch.float32
+    # what `ase-shard info` reads from the checkpoint's config is what the network has
+    outline = SevenNet.outline("7net-0")
+    assert (outline.cutoff, outline.num_layers) == (sevennet0.cutoff, sevennet0.num_layers)
+    assert outline.atomic_types == tuple(sevennet0.atomic_types)
+    assert outline.heads == () and sevennet0.modal is None
 
 
 def test_7net0_matches_sevennet_calculator(sevennet0) -> None:

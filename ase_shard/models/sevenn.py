@@ -18,10 +18,12 @@ total energy and its force/stress output modules are not run.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from ase.data import atomic_numbers
 
 from ase_shard.graph import LocalGraph
 
@@ -61,14 +63,27 @@ def _checkpoint(model: str | os.PathLike):
     return sevenn.util.load_checkpoint(os.fspath(model))
 
 
-def _load_sevenn_model(model: Any) -> tuple[torch.nn.Module, dict | None]:
-    """An ``AtomGraphSequential`` (and its config) from a path, pretrained name or module."""
+def _config_modal_map(config: dict) -> dict | None:
+    """The fidelities a checkpoint's config declares (``None``: a single one)."""
+    return config.get("_modal_map") if config.get("use_modality") else None
+
+
+def _load_sevenn_model(
+    model: Any, check: Callable[[dict], object] | None = None
+) -> tuple[torch.nn.Module, dict | None]:
+    """An ``AtomGraphSequential`` (and its config) from a path, pretrained name or module.
+
+    ``check(config)`` runs on a checkpoint's config before the network is built, which
+    takes seconds.
+    """
     from sevenn.nn.sequential import AtomGraphSequential
 
     if isinstance(model, AtomGraphSequential):
         return model, None
     if isinstance(model, (str, os.PathLike)):
         checkpoint = _checkpoint(model)
+        if check is not None:
+            check(checkpoint.config)
         return checkpoint.build_model(), checkpoint.config
     raise TypeError(
         "SevenNet expects a checkpoint path, a pretrained name such as '7net-0' or a "
@@ -89,6 +104,18 @@ def _tensors_as_buffers(network: torch.nn.Module) -> None:
             if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
                 delattr(module, name)
                 module.register_buffer(name, value, persistent=False)
+
+
+@dataclass(frozen=True)
+class CheckpointOutline:
+    """What a SevenNet checkpoint's config says of the adapter built from it (for
+    ``ase-shard info``, without building the network: that takes seconds)."""
+
+    cutoff: float  # Å
+    num_layers: int
+    atomic_types: tuple[int, ...]  # atomic numbers
+    heads: tuple[str, ...]  # fidelities of a multi-fidelity checkpoint, else empty
+    supports_layer_halo: bool = True
 
 
 class SevenNet(torch.nn.Module):
@@ -125,20 +152,23 @@ class SevenNet(torch.nn.Module):
     supports_layer_halo = True
 
     @staticmethod
-    def modalities(model: Any = "7net-0") -> tuple[str, ...]:
-        """The fidelities of a checkpoint (``modal=`` choices); empty for a
-        single-fidelity model."""
-        if isinstance(model, (str, os.PathLike)):
-            # read from the checkpoint's config: building the network takes seconds
-            config = _checkpoint(model).config
-            modal_map = config.get("_modal_map") if config.get("use_modality") else None
-        else:
-            modal_map = _load_sevenn_model(model)[0].modal_map
-        return tuple(str(name) for name in modal_map or ())
+    def outline(model: str | os.PathLike = "7net-0") -> CheckpointOutline:
+        """A checkpoint's reach, elements and fidelities, read from its config (the
+        network it builds has these: ``test_sevenn`` checks it for 7net-0)."""
+        config = _checkpoint(model).config
+        return CheckpointOutline(
+            cutoff=float(config["cutoff"]),
+            num_layers=int(config["num_convolution_layer"]),
+            atomic_types=tuple(sorted(atomic_numbers[s] for s in config["chemical_species"])),
+            heads=tuple(str(name) for name in _config_modal_map(config) or ()),
+        )
 
     def __init__(self, model: Any = "7net-0", *, modal: str | None = None):
         super().__init__()
-        network, config = _load_sevenn_model(model)
+        # a missing or unknown fidelity is refused before the network is built
+        network, config = _load_sevenn_model(
+            model, lambda config: self._resolve_modal(_config_modal_map(config), modal)
+        )
         if network.type_map is None:
             raise ValueError("the SevenNet model has no type_map")
         cutoff = float(network.cutoff)
