@@ -18,7 +18,7 @@ total energy and its force/stress output modules are not run.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,13 +68,26 @@ def _config_modal_map(config: dict) -> dict | None:
     return config.get("_modal_map") if config.get("use_modality") else None
 
 
-def _load_sevenn_model(
-    model: Any, check: Callable[[dict], object] | None = None
-) -> tuple[torch.nn.Module, dict | None]:
+def _modal_index(modal_map: dict | None, modal: str | None) -> int | None:
+    """The index of fidelity ``modal`` (case-insensitive) in ``modal_map``; ``None`` for a
+    single-fidelity model. A missing or unknown fidelity raises ``ValueError``."""
+    if not modal_map:
+        if modal is not None:
+            raise ValueError(f"modal={modal!r} given, but the model has a single fidelity")
+        return None
+    if modal is None:
+        raise ValueError(f"the model is multi-fidelity: pass modal= one of {list(modal_map)}")
+    by_lower = {str(name).lower(): index for name, index in modal_map.items()}
+    if modal.lower() not in by_lower:
+        raise ValueError(f"unknown modal {modal!r}; the model has {list(modal_map)}")
+    return int(by_lower[modal.lower()])
+
+
+def _load_sevenn_model(model: Any, modal: str | None) -> tuple[torch.nn.Module, dict | None]:
     """An ``AtomGraphSequential`` (and its config) from a path, pretrained name or module.
 
-    ``check(config)`` runs on a checkpoint's config before the network is built, which
-    takes seconds.
+    A checkpoint's fidelities are checked against ``modal`` before its network is
+    built, which takes seconds.
     """
     from sevenn.nn.sequential import AtomGraphSequential
 
@@ -82,8 +95,7 @@ def _load_sevenn_model(
         return model, None
     if isinstance(model, (str, os.PathLike)):
         checkpoint = _checkpoint(model)
-        if check is not None:
-            check(checkpoint.config)
+        _modal_index(_config_modal_map(checkpoint.config), modal)
         return checkpoint.build_model(), checkpoint.config
     raise TypeError(
         "SevenNet expects a checkpoint path, a pretrained name such as '7net-0' or a "
@@ -165,10 +177,7 @@ class SevenNet(torch.nn.Module):
 
     def __init__(self, model: Any = "7net-0", *, modal: str | None = None):
         super().__init__()
-        # a missing or unknown fidelity is refused before the network is built
-        network, config = _load_sevenn_model(
-            model, lambda config: self._resolve_modal(_config_modal_map(config), modal)
-        )
+        network, config = _load_sevenn_model(model, modal)
         if network.type_map is None:
             raise ValueError("the SevenNet model has no type_map")
         cutoff = float(network.cutoff)
@@ -192,26 +201,13 @@ class SevenNet(torch.nn.Module):
         for z, index in type_map.items():
             z_to_type[z] = index
         self.register_buffer("z_to_type", z_to_type, persistent=False)
-        self.modal = self._resolve_modal(network.modal_map, modal)
+        self.modal = _modal_index(network.modal_map, modal)
         self._modules_to_run = [
             name
             for name, module in network._modules.items()
             if type(module).__name__ not in _SKIPPED_MODULES
         ]
         self.eval()
-
-    @staticmethod
-    def _resolve_modal(modal_map: dict | None, modal: str | None) -> int | None:
-        if not modal_map:
-            if modal is not None:
-                raise ValueError(f"modal={modal!r} given, but the model has a single fidelity")
-            return None
-        if modal is None:
-            raise ValueError(f"the model is multi-fidelity: pass modal= one of {list(modal_map)}")
-        by_lower = {str(name).lower(): index for name, index in modal_map.items()}
-        if modal.lower() not in by_lower:
-            raise ValueError(f"unknown modal {modal!r}; the model has {list(modal_map)}")
-        return int(by_lower[modal.lower()])
 
     def train(self, mode: bool = True) -> SevenNet:
         # an inference adapter: SevenNet's modules stay in eval mode

@@ -234,7 +234,8 @@ def _only_reached(config, items: list[pytest.Item]) -> None:
     ]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
-        items[:] = [item for item in items if item not in set(dropped)]
+        dropped_ids = {id(item) for item in dropped}
+        items[:] = [item for item in items if id(item) not in dropped_ids]
 
 
 def pytest_addoption(parser) -> None:
