@@ -99,32 +99,32 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check ase_shard tests examples scripts
 
-# The one-process runs of the main tests, MACE's and ASE's (conformance, one process) go
-# side by side (tests/side_by_side.py): alone, the main run kept 1.5 of the 2 cores busy
-# and the other two 1.0 each; side by side they took 794 s against 897 s one after the
-# other. There, the ranks of the jobs that tests launch yield their core while they wait
-# (mpi_yield_when_idle; Open MPI sets it by itself only for jobs with more ranks than
-# cores): spinning, they took the cores the runs beside them needed (test_sharded_md.py
-# under mpirun -n 2 beside a busy process: 41 s spinning, 28 s yielding). Not for the
-# mpirun runs after it, which have the machine to themselves.
+# The one-process runs and the runs of ASE's and MACE's tests under mpirun go side by side
+# in two lanes (tests/side_by_side.py; a lane runs its commands one after the other): the
+# main one-process run, which keeps 1.5 of the 2 cores busy on average; ASE's tests
+# (conformance) in one process and then under mpirun -n 2, then MACE's. There, the ranks
+# of mpirun jobs yield their core while they wait (mpi_yield_when_idle; Open MPI sets it
+# by itself only for jobs with more ranks than cores): spinning, they took the cores the
+# runs beside them needed (test_sharded_md.py under mpirun -n 2 beside a busy process:
+# 41 s spinning, 28 s yielding). The mpirun runs of our tests come after, with the
+# machine to themselves: in a third lane, they slowed the main run past its limit
+# (docs/index.md: 1,124 s for make test as here, 1,244 s with only the one-process runs
+# side by side).
+mace_mpi_run = $(GUARD) 600 $(MACE_BIN)/mpirun --oversubscribe -n $(1) $(MACE_BIN)/python \
+	$(PYTEST) --with-mpi -p no:cacheprovider $(call exchange_report,mace-$(1)) \
+	tests/test_sharded_mace.py
 test: lint $(STAMP) $(MACE_STAMP)
 	$(if $(EXCHANGE_REPORT),mkdir -p $(EXCHANGE_REPORT))
 	OMPI_MCA_mpi_yield_when_idle=1 $(BIN)/python tests/side_by_side.py \
 		-- $(GUARD) 900 $(BIN)/python $(PYTEST) $(addprefix --ignore=,$(MACE_TESTS)) \
-		-- $(GUARD) 600 $(MACE_BIN)/python $(PYTEST) -p no:cacheprovider $(MACE_TESTS) \
-		-- $(CONFORMANCE_ONE)
-	$(CONFORMANCE_MPI)
+		-- $(CONFORMANCE_ONE) --then $(CONFORMANCE_MPI) \
+			--then $(GUARD) 600 $(MACE_BIN)/python $(PYTEST) -p no:cacheprovider $(MACE_TESTS) \
+			$(foreach n,$(MACE_RANKS),--then $(call mace_mpi_run,$(n)))
 	set -e; for n in $(MPI_RANKS); do \
 		case " $(ML_RANKS) " in *" $$n "*) ml="$(ML_TESTS)";; *) ml="";; esac; \
 		echo "== pytest under mpirun -n $$n"; \
 		$(GUARD) 600 $(MPIRUN) -n $$n $(BIN)/python $(PYTEST) --with-mpi \
 			-p no:cacheprovider $(call exchange_report,mpi-$$n) $(SHARDED_TESTS) $$ml; \
-	done
-	set -e; for n in $(MACE_RANKS); do \
-		echo "== MACE under mpirun -n $$n"; \
-		$(GUARD) 600 $(MACE_BIN)/mpirun --oversubscribe -n $$n $(MACE_BIN)/python $(PYTEST) \
-			--with-mpi -p no:cacheprovider $(call exchange_report,mace-$$n) \
-			tests/test_sharded_mace.py; \
 	done
 
 # ASE's own tests that use EMT, LennardJones or MorsePotential, with ShardedCalculator in

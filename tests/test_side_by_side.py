@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,7 +42,7 @@ def test_commands_run_together_and_their_outputs_do_not_interleave(tmp_path) -> 
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "first done"
-    assert lines[1].startswith("== ran beside the first, exit status 0: ")
+    assert re.match(r"== ran beside the first, exit status 0 after \d+ s: ", lines[1])
     # after the header (the second command, over several lines), its output, in order
     assert lines[-2:] == ["second line 1", "second line 2"]
 
@@ -54,3 +55,24 @@ def test_exit_status_is_the_first_failure(statuses: tuple[int, ...], expected: i
     assert done.returncode == expected
     for status in statuses:
         assert (f"side_by_side.py: exit status {status}:" in done.stderr) == bool(status)
+
+
+def test_a_lane_runs_its_commands_in_order_and_stops_at_a_failure(tmp_path) -> None:
+    """``--then`` waits for the command before it (the second reads the file the first
+    wrote) and does not run after a failure; the lane beside it runs on regardless."""
+    written = f"pathlib.Path({str(tmp_path / 'written')!r})"
+    write = [*PYTHON, f"import pathlib, time; time.sleep(0.5); {written}.touch()"]
+    check = [*PYTHON, f"import pathlib; assert {written}.exists(); print('after')"]
+    fail = [*PYTHON, "raise SystemExit(4)"]
+    never = [*PYTHON, "print('never')"]
+    argv = ["--", *write, "--then", *check, "--", *fail, "--then", *never]
+    argv += ["--", *PYTHON, "print('beside')"]
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 4
+    assert done.stdout.splitlines()[0] == "after"
+    assert "never" not in done.stdout
+    assert "beside" in done.stdout
+    assert "side_by_side.py: exit status 4:" in done.stderr
+    assert "side_by_side.py: not run: " in done.stderr and "never" in done.stderr
