@@ -93,7 +93,11 @@ def tiny_uma_tasks(references: torch.Tensor, mean: float = 0.7, rmsd: float = 1.
 
     tasks = []
     for name in DATASETS:
-        for prop, level, dim in (("energy", "system", [1]), ("forces", "atom", [3]), ("stress", "system", [1, 9])):
+        for prop, level, dim in (
+            ("energy", "system", [1]),
+            ("forces", "atom", [3]),
+            ("stress", "system", [1, 9]),
+        ):
             task = {
                 "_target_": _TASK,
                 "name": f"{name}_{prop}",
@@ -235,7 +239,9 @@ def test_charge_spin_and_task_select_what_fairchem_does(tiny_file, unit64) -> No
     energies = {}
     for task, system in (("omol", atoms), ("omol", neutral), ("omat", neutral)):
         ref = fairchem_results(unit64, system, task)
-        got = ase_results(ShardedCalculator(UMA(tiny_file, task=task, dtype=torch.float64)), system)
+        got = ase_results(
+            ShardedCalculator(UMA(tiny_file, task=task, dtype=torch.float64)), system
+        )
         errors = relative_errors(got, ref)
         assert all(err <= RTOL64 for err in errors.values()), (task, errors)
         energies[task, len(system.info)] = float(got["energy"])
@@ -245,7 +251,9 @@ def test_charge_spin_and_task_select_what_fairchem_does(tiny_file, unit64) -> No
 def test_shared_head_and_pos_embedding(tmp_path) -> None:
     """A dataset-shared energy head (DatasetSpecificSingleHeadWrapper) and UMA's
     sinusoidal charge/spin embedding, on the slab."""
-    path = write_tiny_uma(str(tmp_path / "single.pt"), seed=3, heads="single", chg_spin_emb_type="pos_emb")
+    path = write_tiny_uma(
+        str(tmp_path / "single.pt"), seed=3, heads="single", chg_spin_emb_type="pos_emb"
+    )
     atoms, task = uma_systems()["slab"]
     ref = fairchem_results(predict_unit(path), atoms, task)
     got = ase_results(ShardedCalculator(UMA(path, task=task, dtype=torch.float64)), atoms)
@@ -310,6 +318,8 @@ def test_float32_is_as_close_as_fairchems_own(tiny_file, unit64, name: str) -> N
     of different summation orders)."""
     atoms, task = uma_systems()[name]
     exact = fairchem_results(unit64, atoms, task)
-    theirs = relative_errors(fairchem_results(predict_unit(tiny_file, torch.float32), atoms, task), exact)
+    theirs = relative_errors(
+        fairchem_results(predict_unit(tiny_file, torch.float32), atoms, task), exact
+    )
     ours = relative_errors(ase_results(ShardedCalculator(UMA(tiny_file, task=task)), atoms), exact)
     assert all(ours[key] <= max(2 * theirs[key], F32_RTOL[key]) for key in exact), (ours, theirs)

@@ -197,7 +197,9 @@ class UMA(torch.nn.Module):
             raise ValueError("the fairchem model has no tasks: call setup_tasks first") from exc
         if task is None:
             if len(datasets) != 1:
-                raise ValueError(f"the model has several tasks: pass task= one of {sorted(datasets)}")
+                raise ValueError(
+                    f"the model has several tasks: pass task= one of {sorted(datasets)}"
+                )
             task = next(iter(datasets))
         if task not in datasets:
             raise ValueError(f"unknown task {task!r}: the model has {sorted(datasets)}")
@@ -294,7 +296,9 @@ class UMA(torch.nn.Module):
             if inner is None or task not in names or not hasattr(inner, "energy_block"):
                 continue
             if getattr(inner, "reduce", "sum") != "sum":
-                raise ValueError("the energy head averages over atoms: per-atom energies need a sum")
+                raise ValueError(
+                    "the energy head averages over atoms: per-atom energies need a sum"
+                )
             if hasattr(head, "dataset_name_to_exp"):
                 dtype = next(head.parameters()).dtype
                 head.merge_MOLE_model(
@@ -317,7 +321,9 @@ class UMA(torch.nn.Module):
             if value.numel() != 1 or float(value) != round(float(value)):
                 raise ValueError(f"UMA's {name} must be one integer, not {value.tolist()}")
             if not low <= float(value) <= high:
-                raise ValueError(f"UMA's {name} must be within {low} to {high}, not {float(value)}")
+                raise ValueError(
+                    f"UMA's {name} must be within {low} to {high}, not {float(value)}"
+                )
             values.append(value.round().to(torch.int64))
         return values[0], values[1]
 
@@ -394,9 +400,7 @@ class UMA(torch.nn.Module):
         # the edges centred within num_layers - 1 - k hops of an owned atom
         k = edges[0]
         net.set_MOLE_sizes(nsystems=1, batch_full=batch, edge_index=edge_index[:, :k])
-        x = net.edge_degree_embedding(
-            x, x_edge[:k], edge_index[1, :k], wigner_inv_envelope[:k]
-        )
+        x = net.edge_degree_embedding(x, x_edge[:k], edge_index[1, :k], wigner_inv_envelope[:k])
         x_edge_per_layer = net.backend.get_layer_radial_emb(x_edge, net)
         for i, block in enumerate(net.blocks):
             k = edges[i + 1]
