@@ -167,12 +167,14 @@ def _add_model_options(parser: argparse.ArgumentParser, bench: bool) -> None:
         help="potential: emt, lj (argon), morse (copper-like), a pretrained SevenNet "
         "checkpoint shipped with sevenn (7net-0, 7net-l3i5, 7net-mf-0, ...: see "
         "`ase-shard info --models`), or a model file: SevenNet .pth, MACE .model, "
-        f"NequIP/Allegro .nequip.zip or .ckpt (default: the system's; emt for files){more}",
+        "NequIP/Allegro .nequip.zip or .ckpt, fairchem UMA checkpoint renamed .uma.pt "
+        f"(default: the system's; emt for files){more}",
     )
     parser.add_argument(
         "--modality",
         help="fidelity of a multi-fidelity SevenNet model (7net-mf-0: PBE or R2SCAN), or "
-        "the head of a multi-head MACE model",
+        "the head of a multi-head MACE model, or the task of a UMA model (omat, omol, oc20, "
+        "odac, omc)",
     )
 
 
@@ -534,7 +536,7 @@ def _bench_model(spec: ModelSpec, atoms: Atoms, args: argparse.Namespace):
             seed=args.seed,
             **layers,
         )
-    return md.build_model(spec, args.modality)
+    return md.build_model(spec, args.modality, args.dtype)
 
 
 # ----------------------------------------------------------------------------- info
@@ -626,6 +628,10 @@ def models_report() -> list[str]:
     lines.append("model files")
     for ending, (kind, what) in MODEL_FILES.items():
         lines.append(f"  {ending:<17} {what}: {_adapter_state(kind)}")
+    lines.append(
+        "  (UMA: pretrained names such as uma-s-1p1 are not downloaded here; give the "
+        "checkpoint file, renamed NAME.uma.pt, and its task with --modality)"
+    )
     return lines
 
 

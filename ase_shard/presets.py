@@ -61,6 +61,8 @@ MODEL_FILES = {
     ".model": ("mace", "MACE model"),
     ".nequip.zip": ("nequip", "NequIP/Allegro package"),
     ".ckpt": ("nequip", "NequIP/Allegro checkpoint"),
+    # fairchem's checkpoints end in a bare .pt, as do many others': name them .uma.pt
+    ".uma.pt": ("uma", "fairchem UMA inference checkpoint"),
 }
 # adapter kind -> (module it imports, its distribution)
 ADAPTER_PACKAGES = {
@@ -68,6 +70,7 @@ ADAPTER_PACKAGES = {
     "mace": ("mace", "mace-torch"),
     "nequip": ("nequip", "nequip"),
     "chgnet": ("chgnet", "chgnet"),
+    "uma": ("fairchem.core", "fairchem-core"),
 }
 # fcc argon at the density of the liquid near its boiling point, 1.40 g/cm³
 ARGON_LIQUID_A = 5.74
@@ -76,7 +79,7 @@ ARGON_LIQUID_A = 5.74
 @dataclass(frozen=True)
 class ModelSpec:
     """A resolved ``--model``: ``kind`` is ``builtin``, ``bench`` (random weights),
-    ``sevenn``, ``mace``, ``nequip`` or ``chgnet``; ``source`` the name (CHGNet's own,
+    ``sevenn``, ``mace``, ``nequip``, ``chgnet`` or ``uma``; ``source`` the name (CHGNet's own,
     e.g. ``0.3.0``, for ``chgnet``) or the file path;
     ``label`` what the run prints; ``argument`` the ``--model`` value that finds
     the model again from any directory (the name, or the file's absolute path),

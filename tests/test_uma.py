@@ -323,3 +323,30 @@ def test_float32_is_as_close_as_fairchems_own(tiny_file, unit64, name: str) -> N
     )
     ours = relative_errors(ase_results(ShardedCalculator(UMA(tiny_file, task=task)), atoms), exact)
     assert all(ours[key] <= max(2 * theirs[key], F32_RTOL[key]) for key in exact), (ours, theirs)
+
+
+def test_cli_md_with_a_uma_file_matches_fairchem(tmp_path, unit64, capsys) -> None:
+    """``ase-shard md --model X.uma.pt --modality TASK``: the first frame's energy and
+    forces are fairchem's (float64: the model is built in ``--dtype``, as fairchem builds
+    its constant buffers in its precision); without ``--modality`` a two-task model is
+    refused."""
+    from ase.io import read, write
+
+    from ase_shard.cli import main
+
+    path = tmp_path / "tiny.uma.pt"
+    write_tiny_uma(str(path))
+    atoms, task = uma_systems()["slab"]
+    structure, traj = tmp_path / "slab.extxyz", tmp_path / "out.extxyz"
+    write(structure, atoms)
+    argv = ["md", str(structure), "--model", str(path), "--steps", "1", "--interval", "1"]
+    argv += ["--dtype", "float64", "--device", "cpu", "--no-progress"]
+    assert main(argv) == 2
+    assert "--modality" in capsys.readouterr().err
+    assert main([*argv, "--modality", task, "--trajectory", str(traj)]) == 0
+    assert "(UMA) on 1 rank(s) (cpu, float64)" in capsys.readouterr().out
+    first = read(traj, 0)
+    ref = fairchem_results(unit64, first, task)
+    assert first.get_potential_energy() == pytest.approx(float(ref["energy"]), rel=1e-10)
+    # extxyz keeps forces to 8 decimals
+    np.testing.assert_allclose(first.get_forces(), ref["forces"], rtol=0, atol=1e-8)
