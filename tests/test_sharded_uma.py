@@ -65,24 +65,40 @@ def tiny_file() -> str:
 @pytest.mark.parametrize("partition", PARTITIONS)
 @pytest.mark.parametrize("name", ["bulk", "triclinic", "slab", "molecule"])
 def test_tiny_float64(tiny_file, name: str, partition: str) -> None:
-    """fairchem's calculator's results, and the one-rank adapter's to 1e-10."""
+    """fairchem's calculator's results, and the one-rank adapter's to 1e-10 (per-layer
+    halo, the default)."""
+    check_against_fairchem(tiny_file, name, partition=partition)
+
+
+@pytest.mark.parametrize("name", ["bulk", "slab"])
+def test_tiny_float64_full_halo(tiny_file, name: str) -> None:
+    """The full halo of blocks + 1 cutoffs, each block on the edges that reach an owned
+    energy (graph.hops)."""
+    check_against_fairchem(tiny_file, name, halo="full")
+
+
+def check_against_fairchem(path: str, name: str, **options) -> None:
     atoms, task = uma_systems()[name]
-    ref = oracle(tiny_file, atoms, task)
-    model = UMA(tiny_file, task=task, dtype=torch.float64)
+    ref = oracle(path, atoms, task)
+    model = UMA(path, task=task, dtype=torch.float64)
     one = on_root(lambda: ase_results(ShardedCalculator(model, comm=serial_comm()), atoms))
-    got = ase_results(ShardedCalculator(model, partition=partition), atoms)
+    calc = ShardedCalculator(model, **options)
+    assert calc.settings.halo == options.get("halo", "layer")
+    got = ase_results(calc, atoms)
     errors = relative_errors(got, ref)
     assert all(err <= RTOL64 for err in errors.values()), errors
     assert_close_to(got, one, RTOL_RANKS)
     assert_identical_on_all_ranks(got)
 
 
+@pytest.mark.parametrize("halo", ["layer", "full"])
 @pytest.mark.parametrize("name", ["one", "two"])
-def test_tiny_with_ranks_that_own_nothing(tiny_file, name: str) -> None:
-    """Fewer atoms than ranks: the empty ranks take part; the results are fairchem's."""
+def test_tiny_with_ranks_that_own_nothing(tiny_file, name: str, halo: str) -> None:
+    """Fewer atoms than ranks: the empty ranks take part (in the per-layer halo's
+    exchanges too); the results are fairchem's."""
     atoms = fewer_atoms_than_ranks()[name]
     ref = oracle(tiny_file, atoms, "omat")
-    calc = ShardedCalculator(UMA(tiny_file, task="omat", dtype=torch.float64))
+    calc = ShardedCalculator(UMA(tiny_file, task="omat", dtype=torch.float64), halo=halo)
     got = ase_results(calc, atoms)
     assert_ranks_own_nothing_iff_fewer_atoms(calc, len(atoms))
     assert_close_to(got, ref, RTOL64)

@@ -264,7 +264,7 @@ def test_shared_head_and_pos_embedding(tmp_path) -> None:
 def test_adapter_attributes(tiny_file) -> None:
     model = UMA(tiny_file, task="omat")
     assert (model.cutoff, model.num_layers, model.max_neighbors) == (3.5, 3, 300)
-    assert model.atomic_types is None and model.task == "omat"
+    assert model.atomic_types is None and model.task == "omat" and model.supports_layer_halo
     assert model.system_inputs == ("charge", "spin", "uma_element_counts")
     # fairchem's defaults for charge and spin multiplicity
     assert model.system_input_defaults["spin"](Atoms()) == 0

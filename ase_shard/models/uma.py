@@ -30,11 +30,14 @@ MLP on the rank's ``LocalGraph``, in place of fairchem's radius graph:
   whole system, which the mixture of experts is routed by (the composition
   embedding averages over every atom, not the rank's).
 
-Halo: the full halo of ``num_layers = blocks + 1`` cutoffs. The edge-degree
-embedding that starts the node features already sums over each atom's
-neighbours, so after ``L`` blocks an energy depends on atoms ``L + 1`` cutoffs
-away. The blocks skip the edges that cannot reach an owned energy
-(``graph.hops``).
+Halo: the per-layer halo by default (one cutoff of ghosts): the node features
+are exchanged after the edge-degree embedding and between blocks, ``blocks``
+exchanges a step; every block is a message pass into the centre plus node-wise
+work. With ``halo="full"`` the full halo of ``num_layers = blocks + 1``
+cutoffs: the edge-degree embedding that starts the node features already sums
+over each atom's neighbours, so after ``L`` blocks an energy depends on atoms
+``L + 1`` cutoffs away; the blocks then skip the edges that cannot reach an
+owned energy (``graph.hops``).
 
 fairchem's ``max_neighbors`` cap (300 in UMA) keeps the nearest neighbours of a
 crowded atom; the adapter does not rank neighbours and refuses a graph where an
@@ -158,8 +161,9 @@ class UMA(torch.nn.Module):
     cutoff : float
         The backbone's cutoff (Å): 6 for UMA.
     num_layers : int
-        The backbone's blocks plus one (its edge-degree embedding): the halo
-        spans ``num_layers * cutoff``.
+        The backbone's blocks plus one (its edge-degree embedding): the full
+        halo spans ``num_layers * cutoff``; the per-layer halo exchanges the node
+        features ``num_layers - 1`` times a step.
     atomic_types : None
         Any atomic number the embedding has (``max_num_elements``, checked per
         call).
@@ -172,7 +176,7 @@ class UMA(torch.nn.Module):
         The task's energy MLP (per atom).
     """
 
-    supports_layer_halo = False
+    supports_layer_halo = True
 
     def __init__(self, model: Any, task: str | None = None, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -331,10 +335,16 @@ class UMA(torch.nn.Module):
         net = self.backbone
         vectors = graph.edge_vectors
         n, n_owned = graph.n_atoms, int(graph.n_owned)
+        exchange = graph.exchange
         if n_owned == 0:
-            return vectors.new_zeros(n)
-        if graph.exchange is not None:
-            raise ValueError("the UMA adapter runs with the full halo only")
+            if exchange is None:
+                return vectors.new_zeros(n)
+            # the exchanges are collective: join each one, with no rows, and keep the
+            # result on the autograd path so that the backward joins them too
+            x = vectors.new_zeros((0, net.sph_feature_size, net.sphere_channels))
+            for _ in range(self.num_layers - 1):
+                x = exchange(x)
+            return torch.cat([x[:0].sum(dim=(1, 2)), vectors.new_zeros(n)])
         numbers = graph.numbers
         device = numbers.device
         if int(numbers.max()) >= net.max_num_elements:
@@ -403,6 +413,10 @@ class UMA(torch.nn.Module):
         x = net.edge_degree_embedding(x, x_edge[:k], edge_index[1, :k], wigner_inv_envelope[:k])
         x_edge_per_layer = net.backend.get_layer_radial_emb(x_edge, net)
         for i, block in enumerate(net.blocks):
+            if exchange is not None:
+                # per-layer halo: every edge is centred on an owned atom, so only the
+                # owned rows are complete; the ghosts take their owners' features
+                x = exchange(x[:n_owned])
             k = edges[i + 1]
             net.set_MOLE_sizes(nsystems=1, batch_full=batch, edge_index=edge_index[:, :k])
             x = block(
@@ -416,13 +430,16 @@ class UMA(torch.nn.Module):
                 scatter_target=edge_index[1, :k],
                 gp_ctx=None,
             )
+        if exchange is not None:
+            # the ghosts' rows are incomplete and nothing reads their energies
+            x, numbers = x[:n_owned], numbers[:n_owned]
         x = net.norm(x)
         node_energy = self.energy_block(x.narrow(1, 0, 1).squeeze(1)).reshape(-1)
         energies = node_energy * self.rmsd + self.references[numbers].to(node_energy.dtype)
         if "uma_element_counts" in graph.system:
             # the normaliser's mean is per system: each atom takes an equal share
             energies = energies + self.mean / graph.system["uma_element_counts"].sum()
-        return energies
+        return torch.cat([energies, energies.new_zeros(n - energies.shape[0])])
 
     def _layer_edges(self, graph: LocalGraph) -> list[int]:
         """Per message-passing step, how many edges (a prefix of ``edge_index``) it needs.
