@@ -8,6 +8,9 @@ computes the references (FAIRChemCalculator in float64, and the adapter on
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import numpy as np
 import pytest
 
@@ -56,10 +59,12 @@ def oracle(path: str, atoms, task: str) -> dict[str, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def tiny_file() -> str:
+def tiny_file():
     # one block (two hops with the edge-degree embedding) of 3 Å: the halos of the small
     # periodic cells stay a few hundred nodes
-    return tiny_uma_file(num_layers=1, cutoff=3.0)
+    path = tiny_uma_file(num_layers=1, cutoff=3.0)
+    yield path
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
 @pytest.mark.parametrize("partition", PARTITIONS)

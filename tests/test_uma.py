@@ -9,6 +9,7 @@ adapter load. fairchem runs them in float64 (``base_precision_dtype``).
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import numpy as np
@@ -211,8 +212,10 @@ def uma_systems() -> dict[str, tuple[Atoms, str]]:
 
 
 @pytest.fixture(scope="module")
-def tiny_file() -> str:
-    return tiny_uma_file()
+def tiny_file():
+    path = tiny_uma_file()
+    yield path
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
