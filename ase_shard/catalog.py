@@ -36,17 +36,19 @@ def element_ranges(numbers: Sequence[int]) -> str:
 def describe(spec: ModelSpec) -> str:
     """One line: cutoff and layers (and the halo they allow), elements, heads.
 
-    A multi-fidelity SevenNet checkpoint is built with its first fidelity: they
-    share elements and reach.
+    A multi-fidelity SevenNet checkpoint (or a UMA checkpoint with several tasks)
+    is built with its first fidelity (task): they share elements and reach.
     """
-    modality = None
     heads: tuple[str, ...] = ()
     if spec.kind == "sevenn":
         from ase_shard.models import SevenNet
 
         heads = SevenNet.modalities(spec.source)
-        modality = heads[0] if heads else None
-    model = build_model(spec, modality)
+    elif spec.kind == "uma":
+        from ase_shard.models import UMA
+
+        heads = UMA.tasks(spec.source)
+    model = build_model(spec, heads[0] if heads else None)
     heads = heads or tuple(getattr(model, "heads", ()))
     halo = "layer halo" if getattr(model, "supports_layer_halo", False) else "full halo"
     layers = int(model.num_layers)

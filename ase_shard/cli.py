@@ -171,13 +171,14 @@ def _add_model_options(parser: argparse.ArgumentParser, bench: bool) -> None:
         "checkpoint shipped with sevenn (7net-0, 7net-l3i5, 7net-mf-0, ...: see "
         "`ase-shard info --models`), CHGNet (chgnet, chgnet-0.2.0, ...), or a model file: "
         "SevenNet .pth, MACE .model, NequIP/Allegro .nequip.zip or .ckpt, or KIND:PATH "
-        "(sevenn, mace, nequip, metatomic: e.g. metatomic:pet-mad.pt) (default: the "
+        "(sevenn, mace, nequip, metatomic, uma: e.g. metatomic:pet-mad.pt) (default: the "
         f"system's; emt for files){more}",
     )
     parser.add_argument(
         "--modality",
         help="fidelity of a multi-fidelity SevenNet model (7net-mf-0: PBE or R2SCAN), or "
-        "the head of a multi-head MACE model",
+        "the head of a multi-head MACE model, or the task of a UMA model (omat, omol, oc20, "
+        "odac, omc)",
     )
 
 
@@ -539,7 +540,7 @@ def _bench_model(spec: ModelSpec, atoms: Atoms, args: argparse.Namespace):
             seed=args.seed,
             **layers,
         )
-    return md.build_model(spec, args.modality)
+    return md.build_model(spec, args.modality, args.dtype)
 
 
 # ----------------------------------------------------------------------------- info

@@ -128,8 +128,9 @@ class ShardModel(Protocol):
 
     Optional declarations: ``per_atom_inputs`` (names of ``Atoms`` arrays,
     e.g. ``("initial_charges",)``) and ``system_inputs`` (names looked up in
-    ``atoms.info``, else the calculator's parameters, e.g. ``("charge",)``)
-    arrive as ``graph.inputs`` and ``graph.system`` (see ``ase_shard.inputs``).
+    ``atoms.info``, else the calculator's parameters, else the model's
+    ``system_input_defaults``, e.g. ``("charge",)``) arrive as ``graph.inputs``
+    and ``graph.system`` (see ``ase_shard.inputs``).
 
     A model that sets ``supports_layer_halo = True`` calls
     ``graph.exchange`` between its layers when it is not ``None``; it then

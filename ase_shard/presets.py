@@ -68,6 +68,7 @@ PREFIXED_FILES = {
     "mace": "MACE model",
     "nequip": "NequIP/Allegro package or checkpoint",
     "metatomic": "exported metatomic model (e.g. PET-MAD)",
+    "uma": "fairchem UMA inference checkpoint (task: --modality)",
 }
 # adapter kind -> (module it imports, its distribution)
 ADAPTER_PACKAGES = {
@@ -76,6 +77,7 @@ ADAPTER_PACKAGES = {
     "nequip": ("nequip", "nequip"),
     "chgnet": ("chgnet", "chgnet"),
     "metatomic": ("metatomic.torch", "metatomic-torch"),
+    "uma": ("fairchem.core", "fairchem-core"),
 }
 # fcc argon at the density of the liquid near its boiling point, 1.40 g/cm³
 ARGON_LIQUID_A = 5.74
@@ -84,8 +86,8 @@ ARGON_LIQUID_A = 5.74
 @dataclass(frozen=True)
 class ModelSpec:
     """A resolved ``--model``: ``kind`` is ``builtin``, ``bench`` (random weights),
-    ``sevenn``, ``mace``, ``nequip``, ``chgnet`` or ``metatomic``; ``source`` the name
-    (CHGNet's own, e.g. ``0.3.0``, for ``chgnet``) or the file path;
+    ``sevenn``, ``mace``, ``nequip``, ``chgnet``, ``metatomic`` or ``uma``; ``source``
+    the name (CHGNet's own, e.g. ``0.3.0``, for ``chgnet``) or the file path;
     ``label`` what the run prints; ``argument`` the ``--model`` value that finds
     the model again from any directory (the name, or the file's absolute path),
     which ``ase-shard md`` records in its frames for ``--restart``."""

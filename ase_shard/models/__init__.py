@@ -1,9 +1,9 @@
 """Torch potentials for ``ShardedCalculator``.
 
 ``LennardJones``, ``Morse`` and ``EMT`` re-implement ASE's calculators. ``SevenNet``,
-``MACE``, ``NequIP``, ``CHGNet`` and ``Metatomic`` wrap machine-learned potentials; their
+``MACE``, ``NequIP``, ``CHGNet``, ``Metatomic`` and ``UMA`` wrap machine-learned potentials; their
 packages are imported only when a model is built (extras ``ase-shard[sevenn]``,
-``[mace]``, ``[nequip]``, ``[chgnet]``, ``[metatomic]``).
+``[mace]``, ``[nequip]``, ``[chgnet]``, ``[metatomic]``, ``[fairchem]``).
 """
 
 from ase_shard.models.chgnet import CHGNet
@@ -14,6 +14,7 @@ from ase_shard.models.metatomic import Metatomic
 from ase_shard.models.morse import Morse
 from ase_shard.models.nequip import Allegro, NequIP
 from ase_shard.models.sevenn import SevenNet
+from ase_shard.models.uma import UMA
 
 __all__ = [
     "Allegro",
@@ -25,4 +26,5 @@ __all__ = [
     "Morse",
     "NequIP",
     "SevenNet",
+    "UMA",
 ]
