@@ -100,6 +100,7 @@ def pad_graph(
         inputs={name: nodes(value, 0.0) for name, value in graph.inputs.items()},
         system=graph.system,
         hops=None,
+        system_sum=graph.system_sum,
     )
 
 
