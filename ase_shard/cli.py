@@ -50,6 +50,7 @@ from ase_shard.presets import (
     CHGNET_MODELS,
     MODEL_FILES,
     NO_EDGE,
+    ORB_MODELS,
     SEVENN_CHECKPOINTS,
     SYSTEMS,
     CLIError,
@@ -167,7 +168,8 @@ def _add_model_options(parser: argparse.ArgumentParser, bench: bool) -> None:
         help="potential: emt, lj (argon), morse (copper-like), a pretrained SevenNet "
         "checkpoint shipped with sevenn (7net-0, 7net-l3i5, 7net-mf-0, ...: see "
         "`ase-shard info --models`), or a model file: SevenNet .pth, MACE .model, "
-        f"NequIP/Allegro .nequip.zip or .ckpt (default: the system's; emt for files){more}",
+        f"NequIP/Allegro .nequip.zip or .ckpt, orb:FILE.ckpt for Orb-v3 (default: the "
+        f"system's; emt for files){more}",
     )
     parser.add_argument(
         "--modality",
@@ -622,6 +624,11 @@ def models_report() -> list[str]:
         "chgnet         "
         + ", ".join(f"{name} ({version})" for name, version in CHGNET_MODELS.items())
         + f", shipped in the chgnet wheel: {_adapter_state('chgnet')}"
+    )
+    lines.append(
+        "orb            orb:FILE.ckpt (an Orb-v3 conservative checkpoint under orb's own file "
+        "name, e.g. orb-v3-conservative-inf-omat-20250404.ckpt), or orb:NAME from orb's "
+        f"download cache ({', '.join(ORB_MODELS)}): {_adapter_state('orb')}"
     )
     lines.append("model files")
     for ending, (kind, what) in MODEL_FILES.items():

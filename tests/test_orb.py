@@ -136,8 +136,14 @@ def test_refusals() -> None:
     from orb_models.forcefield.pretrained import orb_v3_direct_architecture
 
     with pytest.raises(NotImplementedError, match="direct models"):
-        Orb(orb_v3_direct_architecture(latent_dim=8, base_mlp_hidden_dim=8,
-                                       head_mlp_hidden_dim=8, num_message_passing_steps=1))
+        Orb(
+            orb_v3_direct_architecture(
+                latent_dim=8,
+                base_mlp_hidden_dim=8,
+                head_mlp_hidden_dim=8,
+                num_message_passing_steps=1,
+            )
+        )
     with pytest.raises(NotImplementedError, match="charge and spin"):
         Orb(tiny_orb(steps=1, has_charge_spin_cond=True))
     with pytest.raises(ValueError, match="neither a checkpoint file nor a pretrained name"):
@@ -218,3 +224,33 @@ def test_builder_reaches_pretrained_shapes() -> None:
     names = conservative_names()
     assert "orb-v3-conservative-inf-omat" in names and "orb-v3-conservative-20-omat" in names
     assert not any("direct" in name for name in names)
+
+
+def test_command_line_finds_orb_files_and_names(tmp_path, monkeypatch, capsys) -> None:
+    """``--model orb:FILE`` (orb's ``.ckpt`` ending alone means NequIP) and ``orb:NAME``;
+    ``info --models`` lists them."""
+    from orb_models.forcefield import pretrained
+
+    from ase_shard.cli import main
+    from ase_shard.md import build_model
+    from ase_shard.presets import CLIError, resolve_model
+
+    def tiny_builder(weights_path, device, precision, compile):
+        return pretrained.load_model(
+            tiny_orb(), weights_path, device, precision=precision, compile=compile
+        )
+
+    monkeypatch.setitem(pretrained.ORB_PRETRAINED_MODELS, "orb-v3-conservative-tiny", tiny_builder)
+    path = tmp_path / "orb-v3-conservative-tiny-20260101.ckpt"
+    torch.save(tiny_orb().state_dict(), path)
+    spec = resolve_model(f"orb:{path}")
+    assert (spec.kind, spec.source, spec.argument) == ("orb", str(path), f"orb:{path}")
+    model = build_model(spec, None)
+    assert isinstance(model, Orb) and model.num_layers == 3
+    assert resolve_model(str(path)).kind == "nequip"
+    named = resolve_model("orb:orb-v3-conservative-inf-omat")
+    assert (named.kind, named.source) == ("orb", "orb-v3-conservative-inf-omat")
+    with pytest.raises(CLIError, match="conservative Orb-v3 models"):
+        resolve_model("orb:orb-v3-direct-inf-omat")
+    assert main(["info", "--models"]) == 0
+    assert "orb            orb:FILE.ckpt" in capsys.readouterr().out

@@ -32,7 +32,11 @@ Three things about Orb-v3 shape the adapter:
   energy, and its ZBL share.
 - **Messages flow both ways along an edge.** An interaction layer updates a
   node from the edges it sends *and* those it receives, so after one layer a
-  node depends on the edges centred on its neighbours too. And orb keeps, per
+  node depends on the edges centred on its neighbours too. Each edge enters
+  orb's layers twice, summed into its sender only and (as the reverse of one
+  of the receiver's own edges) into its receiver only (:meth:`Orb._features`):
+  on several ranks a ghost's edge may end on a far image of an owned atom,
+  folded onto the owned node. And orb keeps, per
   centre, only its ``max_num_neighbors`` nearest neighbours within the radius
   (120 for the ``inf`` models, which in practice keeps every one, 20 for the
   ``20`` models, which drops many), so whether an edge into a node exists
