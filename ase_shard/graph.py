@@ -145,6 +145,11 @@ class ShardModel(Protocol):
     A model that sets ``supports_layer_halo = True`` calls
     ``graph.exchange`` between its layers when it is not ``None``; it then
     runs with a one-cutoff halo (``ShardedCalculator(halo="layer")``).
+
+    A model whose energy is not a sum of per-atom terms sums its owned nodes'
+    part over the ranks with ``graph.system_sum`` (collective); one whose
+    results the padded graphs of ``compile=...`` would change declares
+    ``supports_compile = False`` and is refused there.
     """
 
     cutoff: float

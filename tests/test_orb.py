@@ -157,6 +157,12 @@ def test_refusals() -> None:
     )
 
 
+def test_compile_is_refused(tiny64) -> None:
+    """torch.compile's padded graphs carry spare owned rows: they would enter the mean."""
+    with pytest.raises(ValueError, match="Orb does not run compiled"):
+        ShardedCalculator(Orb(tiny64), compile=True)
+
+
 def test_checkpoint_file_by_its_name(tmp_path, monkeypatch, tiny64) -> None:
     """A weights-only checkpoint loads into the architecture its file name starts with
     (orb's own loader, here with a tiny architecture under a name of its own)."""

@@ -229,6 +229,8 @@ class Orb(torch.nn.Module):
     """
 
     supports_layer_halo = False
+    # the padded graphs of compile=... add spare owned rows, which would enter the mean
+    supports_compile = False
     system_inputs: tuple[str, ...] = ()
 
     def __init__(
