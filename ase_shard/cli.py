@@ -51,6 +51,7 @@ from ase_shard.presets import (
     CHGNET_MODELS,
     MODEL_FILES,
     NO_EDGE,
+    ORB_MODELS,
     PREFIXED_FILES,
     SEVENN_CHECKPOINTS,
     SYSTEMS,
@@ -171,7 +172,8 @@ def _add_model_options(parser: argparse.ArgumentParser, bench: bool) -> None:
         "checkpoint shipped with sevenn (7net-0, 7net-l3i5, 7net-mf-0, ...: see "
         "`ase-shard info --models`), CHGNet (chgnet, chgnet-0.2.0, ...), or a model file: "
         "SevenNet .pth, MACE .model, NequIP/Allegro .nequip.zip or .ckpt, or KIND:PATH "
-        "(sevenn, mace, nequip, metatomic, uma: e.g. metatomic:pet-mad.pt) (default: the "
+        "(sevenn, mace, nequip, metatomic, uma: e.g. metatomic:pet-mad.pt), or Orb-v3 as "
+        "orb:FILE.ckpt or orb:NAME (default: the "
         f"system's; emt for files){more}",
     )
     parser.add_argument(
@@ -690,6 +692,11 @@ def models_report() -> list[str]:
     missing = [name for name in SEVENN_CHECKPOINTS if name not in shipped]
     if missing:
         lines.append(f"  {'not here':<17} " + ", ".join(missing) + " (sevenn downloads them)")
+    lines.append(
+        "orb            orb:FILE.ckpt (an Orb-v3 conservative checkpoint under orb's own file "
+        "name, e.g. orb-v3-conservative-inf-omat-20250404.ckpt), or orb:NAME from orb's "
+        f"download cache ({', '.join(ORB_MODELS)}): {_adapter_state('orb')}"
+    )
     state = _adapter_state("chgnet")
     lines.append(f"chgnet         shipped in the chgnet wheel: {state}")
     for name, version in CHGNET_MODELS.items():

@@ -343,6 +343,10 @@ def build_model(
             if "task" not in str(exc):
                 raise
             raise CLIError(f"--model {spec.label}: {exc} (option --modality)") from None
+    if spec.kind == "orb":
+        from ase_shard.models import Orb
+
+        return Orb(spec.source)
     from ase_shard.models import NequIP
 
     return NequIP(spec.source)

@@ -55,6 +55,15 @@ CHGNET_MODELS = {
     "chgnet-0.2.0": "0.2.0",
     "chgnet-r2scan": "r2scan",
 }
+# Orb-v3 by --model orb:FILE (orb's .ckpt holds weights only, for the architecture its
+# file name starts with; the ending alone is NequIP's) or orb:NAME (orb's download cache)
+ORB_PREFIX = "orb:"
+ORB_MODELS = (
+    "orb-v3-conservative-inf-omat",
+    "orb-v3-conservative-20-omat",
+    "orb-v3-conservative-inf-mpa",
+    "orb-v3-conservative-20-mpa",
+)
 # model files by name ending -> (adapter kind, what the file is)
 MODEL_FILES = {
     ".pth": ("sevenn", "SevenNet checkpoint"),
@@ -78,6 +87,7 @@ ADAPTER_PACKAGES = {
     "chgnet": ("chgnet", "chgnet"),
     "metatomic": ("metatomic.torch", "metatomic-torch"),
     "uma": ("fairchem.core", "fairchem-core"),
+    "orb": ("orb_models", "orb-models"),
 }
 # fcc argon at the density of the liquid near its boiling point, 1.40 g/cm³
 ARGON_LIQUID_A = 5.74
@@ -86,8 +96,9 @@ ARGON_LIQUID_A = 5.74
 @dataclass(frozen=True)
 class ModelSpec:
     """A resolved ``--model``: ``kind`` is ``builtin``, ``bench`` (random weights),
-    ``sevenn``, ``mace``, ``nequip``, ``chgnet``, ``metatomic`` or ``uma``; ``source``
-    the name (CHGNet's own, e.g. ``0.3.0``, for ``chgnet``) or the file path;
+    ``sevenn``, ``mace``, ``nequip``, ``chgnet``, ``metatomic``, ``uma`` or ``orb``;
+    ``source`` the name (CHGNet's own, e.g. ``0.3.0``, for ``chgnet``; orb's for
+    ``orb:NAME``) or the file path;
     ``label`` what the run prints; ``argument`` the ``--model`` value that finds
     the model again from any directory (the name, or the file's absolute path),
     which ``ase-shard md`` records in its frames for ``--restart``."""
@@ -103,7 +114,7 @@ def same_model(a: ModelSpec, b: ModelSpec) -> bool:
     the same file (a shipped checkpoint by name or by path)."""
     if a.kind != b.kind:
         return False
-    if a.kind in ("builtin", "bench", "chgnet"):
+    if a.kind in ("builtin", "bench", "chgnet") or (a.kind == "orb" and a.source in ORB_MODELS):
         return a.source == b.source
     return os.path.realpath(a.source) == os.path.realpath(b.source)
 
@@ -154,12 +165,22 @@ def resolve_model(name: str, bench: bool = False) -> ModelSpec:
         return ModelSpec("sevenn", str(shipped[key]), key, key)
     if key in CHGNET_MODELS:
         return ModelSpec("chgnet", CHGNET_MODELS[key], key, key)
+    if key.startswith(ORB_PREFIX):
+        source = name[len(ORB_PREFIX) :]
+        if os.path.isfile(source):
+            return ModelSpec("orb", source, name, ORB_PREFIX + os.path.abspath(source))
+        if source.lower() in ORB_MODELS:
+            return ModelSpec("orb", source.lower(), key, key)
+        raise CLIError(
+            f"--model {name}: not a file, nor one of orb's conservative Orb-v3 models "
+            f"({', '.join(ORB_MODELS)})"
+        )
     kind, colon, path = name.partition(":")
     if colon and kind in PREFIXED_FILES:
         if not os.path.isfile(path):
             raise CLIError(f"--model {name}: no {PREFIXED_FILES[kind]} file at {path!r}")
         return ModelSpec(kind, path, name, f"{kind}:{os.path.abspath(path)}")
-    prefixes = ", ".join(f"{kind}:PATH" for kind in PREFIXED_FILES)
+    prefixes = ", ".join([*(f"{kind}:PATH" for kind in PREFIXED_FILES), "orb:FILE|NAME"])
     if os.path.isfile(name):
         for ending, (kind, _) in MODEL_FILES.items():
             if name.endswith(ending):

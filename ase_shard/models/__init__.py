@@ -1,9 +1,9 @@
 """Torch potentials for ``ShardedCalculator``.
 
 ``LennardJones``, ``Morse`` and ``EMT`` re-implement ASE's calculators. ``SevenNet``,
-``MACE``, ``NequIP``, ``CHGNet``, ``Metatomic`` and ``UMA`` wrap machine-learned potentials; their
+``MACE``, ``NequIP``, ``CHGNet``, ``Metatomic``, ``UMA`` and ``Orb`` wrap machine-learned potentials; their
 packages are imported only when a model is built (extras ``ase-shard[sevenn]``,
-``[mace]``, ``[nequip]``, ``[chgnet]``, ``[metatomic]``, ``[fairchem]``).
+``[mace]``, ``[nequip]``, ``[chgnet]``, ``[metatomic]``, ``[fairchem]``, ``[orb]``).
 """
 
 from ase_shard.models.chgnet import CHGNet
@@ -13,6 +13,7 @@ from ase_shard.models.mace import MACE
 from ase_shard.models.metatomic import Metatomic
 from ase_shard.models.morse import Morse
 from ase_shard.models.nequip import Allegro, NequIP
+from ase_shard.models.orb import Orb
 from ase_shard.models.sevenn import SevenNet
 from ase_shard.models.uma import UMA
 
@@ -25,6 +26,7 @@ __all__ = [
     "Metatomic",
     "Morse",
     "NequIP",
+    "Orb",
     "SevenNet",
     "UMA",
 ]
