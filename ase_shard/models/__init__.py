@@ -1,9 +1,10 @@
 """Torch potentials for ``ShardedCalculator``.
 
 ``LennardJones``, ``Morse`` and ``EMT`` re-implement ASE's calculators. ``SevenNet``,
-``MACE``, ``NequIP``, ``CHGNet``, ``Metatomic``, ``UMA`` and ``Orb`` wrap machine-learned potentials; their
-packages are imported only when a model is built (extras ``ase-shard[sevenn]``,
-``[mace]``, ``[nequip]``, ``[chgnet]``, ``[metatomic]``, ``[fairchem]``, ``[orb]``).
+``MACE``, ``NequIP``, ``CHGNet``, ``Metatomic``, ``UMA`` and ``Orb`` wrap machine-learned
+potentials; their packages are imported only when a model is built (extras
+``ase-shard[sevenn]``, ``[mace]``, ``[nequip]``, ``[chgnet]``, ``[metatomic]``,
+``[fairchem]``, ``[orb]``).
 """
 
 from ase_shard.models.chgnet import CHGNet

@@ -185,7 +185,8 @@ class UMA(torch.nn.Module):
         """The tasks (``task=`` choices) of an inference checkpoint file, read from its
         tasks config without building the model."""
         checkpoint = torch.load(os.fspath(path), map_location="cpu", weights_only=False)
-        return tuple(sorted({name for task in checkpoint.tasks_config for name in task["datasets"]}))
+        names = {name for task in checkpoint.tasks_config for name in task["datasets"]}
+        return tuple(sorted(names))
 
     def __init__(self, model: Any, task: str | None = None, dtype: torch.dtype = torch.float32):
         super().__init__()
