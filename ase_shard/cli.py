@@ -48,12 +48,16 @@ from ase_shard.presets import (
     BENCH_MODELS,
     BUILTIN_MODELS,
     CHGNET_MODELS,
+    MATTERSIM_CHECKPOINTS,
+    MATTERSIM_FOLDER,
+    MATTERSIM_PREFIX,
     MODEL_FILES,
     NO_EDGE,
     SEVENN_CHECKPOINTS,
     SYSTEMS,
     CLIError,
     ModelSpec,
+    downloaded_mattersim,
     load_system,
     resolve_model,
     shipped_checkpoints,
@@ -167,7 +171,8 @@ def _add_model_options(parser: argparse.ArgumentParser, bench: bool) -> None:
         help="potential: emt, lj (argon), morse (copper-like), a pretrained SevenNet "
         "checkpoint shipped with sevenn (7net-0, 7net-l3i5, 7net-mf-0, ...: see "
         "`ase-shard info --models`), or a model file: SevenNet .pth, MACE .model, "
-        f"NequIP/Allegro .nequip.zip or .ckpt (default: the system's; emt for files){more}",
+        "NequIP/Allegro .nequip.zip or .ckpt, a MatterSim checkpoint as mattersim:FILE "
+        f"(default: the system's; emt for files){more}",
     )
     parser.add_argument(
         "--modality",
@@ -622,6 +627,15 @@ def models_report() -> list[str]:
         "chgnet         "
         + ", ".join(f"{name} ({version})" for name, version in CHGNET_MODELS.items())
         + f", shipped in the chgnet wheel: {_adapter_state('chgnet')}"
+    )
+    downloaded = downloaded_mattersim()
+    names = ", ".join(
+        f"{name} ({'downloaded' if name in downloaded else 'not here'})"
+        for name in MATTERSIM_CHECKPOINTS
+    )
+    lines.append(
+        f"mattersim      {names} in {MATTERSIM_FOLDER} (mattersim downloads them), any "
+        f"checkpoint as --model {MATTERSIM_PREFIX}FILE: {_adapter_state('mattersim')}"
     )
     lines.append("model files")
     for ending, (kind, what) in MODEL_FILES.items():

@@ -325,6 +325,10 @@ def build_model(spec: ModelSpec, modality: str | None) -> torch.nn.Module:
         from ase_shard.models import CHGNet
 
         return CHGNet(spec.source)
+    if spec.kind == "mattersim":
+        from ase_shard.models import MatterSim
+
+        return MatterSim(spec.source)
     from ase_shard.models import NequIP
 
     return NequIP(spec.source)

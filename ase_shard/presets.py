@@ -55,6 +55,16 @@ CHGNET_MODELS = {
     "chgnet-0.2.0": "0.2.0",
     "chgnet-r2scan": "r2scan",
 }
+# MatterSim's pretrained checkpoints by --model name -> the file mattersim downloads
+# into MATTERSIM_FOLDER on first use; they do not ship in the wheel, so only those
+# already downloaded are offered
+MATTERSIM_CHECKPOINTS = {
+    "mattersim-1m": "mattersim-v1.0.0-1M.pth",
+    "mattersim-5m": "mattersim-v1.0.0-5M.pth",
+}
+MATTERSIM_FOLDER = "~/.local/mattersim/pretrained_models"
+# a MatterSim checkpoint file is a .pth, SevenNet's ending: --model mattersim:FILE
+MATTERSIM_PREFIX = "mattersim:"
 # model files by name ending -> (adapter kind, what the file is)
 MODEL_FILES = {
     ".pth": ("sevenn", "SevenNet checkpoint"),
@@ -68,6 +78,8 @@ ADAPTER_PACKAGES = {
     "mace": ("mace", "mace-torch"),
     "nequip": ("nequip", "nequip"),
     "chgnet": ("chgnet", "chgnet"),
+    # the module the adapter loads (mattersim's top level imports none of it)
+    "mattersim": ("mattersim.forcefield", "mattersim"),
 }
 # fcc argon at the density of the liquid near its boiling point, 1.40 g/cm³
 ARGON_LIQUID_A = 5.74
@@ -76,8 +88,8 @@ ARGON_LIQUID_A = 5.74
 @dataclass(frozen=True)
 class ModelSpec:
     """A resolved ``--model``: ``kind`` is ``builtin``, ``bench`` (random weights),
-    ``sevenn``, ``mace``, ``nequip`` or ``chgnet``; ``source`` the name (CHGNet's own,
-    e.g. ``0.3.0``, for ``chgnet``) or the file path;
+    ``sevenn``, ``mace``, ``nequip``, ``chgnet`` or ``mattersim``; ``source`` the name
+    (CHGNet's own, e.g. ``0.3.0``, for ``chgnet``) or the file path;
     ``label`` what the run prints; ``argument`` the ``--model`` value that finds
     the model again from any directory (the name, or the file's absolute path),
     which ``ase-shard md`` records in its frames for ``--restart``."""
@@ -118,11 +130,29 @@ def shipped_checkpoints() -> dict[str, Path]:
     return found
 
 
+def mattersim_checkpoint(name: str) -> Path | None:
+    """Where mattersim keeps the pretrained checkpoint ``name`` (``mattersim-1m``,
+    ``mattersim-5m``, or mattersim's own ``mattersim-v1.0.0-1m[.pth]``; any case),
+    whether or not it is there; ``None`` for another name."""
+    key = name.lower()
+    for short, filename in MATTERSIM_CHECKPOINTS.items():
+        if key in (short, filename.lower(), filename.lower().removesuffix(".pth")):
+            return Path(MATTERSIM_FOLDER).expanduser() / filename
+    return None
+
+
+def downloaded_mattersim() -> dict[str, Path]:
+    """MatterSim's pretrained checkpoints that mattersim has downloaded here, by name."""
+    found = {name: mattersim_checkpoint(name) for name in MATTERSIM_CHECKPOINTS}
+    return {name: path for name, path in found.items() if path.is_file()}
+
+
 def model_choices(bench: bool = False) -> list[str]:
     """The model names ``--model`` takes here (besides model files)."""
     extra = [*BENCH_MODELS, NO_EDGE] if bench else []
     chgnet = list(CHGNET_MODELS) if importlib.util.find_spec("chgnet") else []
-    return [*BUILTIN_MODELS, *extra, *shipped_checkpoints(), *chgnet]
+    mattersim = list(downloaded_mattersim()) if importlib.util.find_spec("mattersim") else []
+    return [*BUILTIN_MODELS, *extra, *shipped_checkpoints(), *chgnet, *mattersim]
 
 
 def resolve_model(name: str, bench: bool = False) -> ModelSpec:
@@ -143,6 +173,19 @@ def resolve_model(name: str, bench: bool = False) -> ModelSpec:
         return ModelSpec("sevenn", str(shipped[key]), key, key)
     if key in CHGNET_MODELS:
         return ModelSpec("chgnet", CHGNET_MODELS[key], key, key)
+    if key.startswith(MATTERSIM_PREFIX):
+        path = name[len(MATTERSIM_PREFIX) :]
+        if not os.path.isfile(path):
+            raise CLIError(f"--model {name}: no file {path!r} (a MatterSim checkpoint)")
+        return ModelSpec("mattersim", path, name, MATTERSIM_PREFIX + os.path.abspath(path))
+    checkpoint = mattersim_checkpoint(key)
+    if checkpoint is not None:
+        if not checkpoint.is_file():
+            raise CLIError(
+                f"--model {name}: not downloaded here (mattersim keeps it at {checkpoint}; "
+                f"its wheel does not ship it): give --model {MATTERSIM_PREFIX}FILE"
+            )
+        return ModelSpec("mattersim", str(checkpoint), key, key)
     if os.path.isfile(name):
         for ending, (kind, _) in MODEL_FILES.items():
             if name.endswith(ending):
@@ -152,7 +195,7 @@ def resolve_model(name: str, bench: bool = False) -> ModelSpec:
     hint = " (sevenn downloads it; not available offline)" if key in SEVENN_CHECKPOINTS else ""
     raise CLIError(
         f"unknown model {name!r}{hint}: choose {', '.join(model_choices(bench))}, "
-        f"or a model file ({', '.join(MODEL_FILES)})"
+        f"or a model file ({', '.join(MODEL_FILES)}; {MATTERSIM_PREFIX}FILE for MatterSim)"
     )
 
 
