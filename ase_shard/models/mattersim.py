@@ -162,17 +162,44 @@ class MatterSim(torch.nn.Module):
         return super().train(False)
 
     def forward(self, graph: LocalGraph) -> torch.Tensor:
+        """Per-atom energies in eV (readout after ``AtomScaling``), shape ``(n_atoms,)``.
+
+        With the full halo's hop counts (``graph.hops``), block ``k`` of ``L``
+        updates only the nodes within ``L - 1 - k`` hops of an owned node and the
+        edges and angles centred on them (prefixes of nodes, edges and
+        three-body rows sorted by hop count), as the owned energies need nothing
+        else; only the owned rows are read out, ghost rows are zeros (the
+        calculator discards them). Without ``hops`` every node and edge is
+        computed and every row read out.
+        """
         net = self.model
-        edge_index, vectors = graph.edge_index, graph.edge_vectors
-        n_nodes, n_edges = graph.n_atoms, edge_index.shape[1]
+        vectors = graph.edge_vectors
+        n_nodes, n_edges = graph.n_atoms, graph.edge_index.shape[1]
+        n_blocks = len(net.graph_conv)
         device = vectors.device
+        centre, neighbour = graph.edge_index
+        hops = graph.hops
+        if hops is None:
+            rows, edges = [n_nodes] * (n_blocks + 1), [n_edges] * n_blocks
+            numbers, n_out = graph.numbers, n_nodes
+        else:
+            # nodes ordered by hop count (owned nodes keep their places), so the nodes a
+            # block updates are a prefix, as are their edges (sorted by their centres')
+            rows, edges = hops.rows, hops.edges
+            numbers, n_out = graph.numbers.index_select(0, hops.order), graph.n_owned
+            centre = hops.place.index_select(0, centre)
+            neighbour = hops.place.index_select(0, neighbour)
+        edge_index = torch.stack([centre, neighbour])
         lengths = torch.linalg.vector_norm(vectors, dim=1)
-        ij, ik = three_body_rows(edge_index[0], lengths, self.threebody_cutoff, n_nodes)
+        ij, ik = three_body_rows(centre, lengths, self.threebody_cutoff, rows[n_blocks])
+        # the rows come grouped by centre, centres in node order: those of the nodes
+        # within h hops are the first ones (one count per block, read back at once)
+        ends = torch.searchsorted(centre.index_select(0, ij), torch.tensor(rows, device=device))
+        triples = ends.tolist()
         # mattersim points its edge vectors the other way (centre - neighbour); the
         # cosine between two edges of one centre is the same
         cos_jik = (vectors[ij] * vectors[ik]).sum(dim=1) / (lengths[ij] * lengths[ik])
         cos_jik = torch.clamp(cos_jik, min=-1.0 + COS_MARGIN, max=1.0 - COS_MARGIN)
-        numbers = graph.numbers
         # one-hot of 0 and 1: exact in any dtype
         atom_attr = net.atom_embedding(net.one_hot_atoms(numbers).to(vectors.dtype))
         edge_attr_zero = net.rbf(lengths)
@@ -180,29 +207,34 @@ class MatterSim(torch.nn.Module):
         three_basis = net.sbf(lengths[ik], torch.acos(cos_jik))
         three_body_indices = torch.stack([ij, ik], dim=1)
         # per-graph counts, as batch_to_dict gives them for one graph; with the totals
-        # and the three-body edge map given, the blocks read no count back to the host
+        # and the three-body edge map given, the blocks use none of them
         num_bonds = torch.full((1,), n_edges, dtype=torch.int64, device=device)
-        num_atoms = torch.full((1,), n_nodes, dtype=torch.int64, device=device)
+        num_atoms = torch.full((1,), rows[n_blocks], dtype=torch.int64, device=device)
         num_triple_ij = torch.bincount(ij, minlength=n_edges)[:, None]
         edge_lengths = lengths[:, None]
-        for block in net.graph_conv:
+        for k, block in enumerate(net.graph_conv):
+            # block k updates the nodes within n_blocks - 1 - k hops, from their edges
+            # and angles and from the nodes one hop further out
+            depth = n_blocks - 1 - k
+            n_in, n_e, n_t = rows[depth + 1], edges[depth], triples[depth]
             atom_attr, edge_attr = block(
-                atom_attr,
-                edge_attr,
-                edge_attr_zero,
-                edge_index,
-                three_basis,
-                three_body_indices,
-                edge_lengths,
+                atom_attr[:n_in],
+                edge_attr[:n_e],
+                edge_attr_zero[:n_e],
+                edge_index[:, :n_e],
+                three_basis[:n_t],
+                three_body_indices[:n_t],
+                edge_lengths[:n_e],
                 num_bonds,
                 num_triple_ij,
                 num_atoms,
-                total_num_atoms=n_nodes,
-                total_num_bonds=n_edges,
+                total_num_atoms=n_in,
+                total_num_bonds=n_e,
                 # each row's sum goes to its edge ij (mattersim's repeat_interleave of
                 # arange by num_triple_ij, for rows sorted by ij: ours are not)
-                three_body_edge_map=ij,
+                three_body_edge_map=ij[:n_t],
             )
-        energies = net.final(atom_attr).view(-1)
+        energies = net.final(atom_attr[:n_out]).view(-1)
         # the fitted per-element scale and shift (eV), as M3Gnet.forward applies them
-        return net.normalizer(energies, numbers)
+        energies = net.normalizer(energies, numbers[:n_out])
+        return torch.cat([energies, energies.new_zeros(n_nodes - n_out)])
