@@ -18,7 +18,7 @@ pytest.importorskip("mattersim")
 
 from ase import Atoms  # noqa: E402
 from ase.build import bulk, fcc111, molecule  # noqa: E402
-from oracles import ase_results, relative_errors  # noqa: E402
+from oracles import ase_results, evaluate_periodic_graph, relative_errors  # noqa: E402
 
 from ase_shard import ShardedCalculator  # noqa: E402
 from ase_shard.models import MatterSim  # noqa: E402
@@ -192,6 +192,17 @@ def test_tiny_float64_matches_mattersim_calculator(tiny64, name: str) -> None:
     assert all(err <= RTOL64 for err in errors.values()), errors
 
 
+@pytest.mark.parametrize("name", ["bulk", "cluster"])
+def test_graph_without_hop_counts(tiny64, name: str) -> None:
+    """A graph built by hand (no ``hops``: every node and edge computed, every row read
+    out) gives mattersim's energies, per-atom energies and forces too."""
+    atoms = mattersim_systems()[name]
+    ref = mattersim_results(tiny64, atoms)
+    got = evaluate_periodic_graph(MatterSim(tiny64), atoms)
+    errors = relative_errors(got, {key: ref[key] for key in ("energy", "energies", "forces")})
+    assert all(err <= RTOL64 for err in errors.values()), errors
+
+
 def test_adapter_attributes(tiny64) -> None:
     model = MatterSim(tiny64)
     assert (model.cutoff, model.threebody_cutoff, model.num_layers) == (4.0, 3.0, 2)
@@ -202,6 +213,7 @@ def test_adapter_attributes(tiny64) -> None:
 
 def test_bad_models_are_refused(tmp_path, monkeypatch) -> None:
     from mattersim.forcefield.m3gnet.m3gnet import M3Gnet
+    from mattersim.forcefield.potential import Potential
 
     monkeypatch.setenv("HOME", str(tmp_path))  # no downloaded checkpoints there
     with pytest.raises(FileNotFoundError, match="mattersim-1m.*not downloaded"):
@@ -213,6 +225,9 @@ def test_bad_models_are_refused(tmp_path, monkeypatch) -> None:
     inverted = M3Gnet(num_blocks=1, units=8, cutoff=3.0, threebody_cutoff=4.0, device="cpu")
     with pytest.raises(ValueError, match="three-body cutoff .* exceeds"):
         MatterSim(inverted)
+    other = Potential(inverted, device="cpu", model_name="graphormer")
+    with pytest.raises(ValueError, match="only M3GNet potentials"):
+        MatterSim(other)
 
 
 @pytest.mark.parametrize("name", ["bulk", "slab", "molecule"])
