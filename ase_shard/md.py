@@ -347,6 +347,10 @@ def build_model(
         from ase_shard.models import Orb
 
         return Orb(spec.source)
+    if spec.kind == "mattersim":
+        from ase_shard.models import MatterSim
+
+        return MatterSim(spec.source)
     from ase_shard.models import NequIP
 
     return NequIP(spec.source)

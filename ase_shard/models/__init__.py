@@ -1,16 +1,17 @@
 """Torch potentials for ``ShardedCalculator``.
 
 ``LennardJones``, ``Morse`` and ``EMT`` re-implement ASE's calculators. ``SevenNet``,
-``MACE``, ``NequIP``, ``CHGNet``, ``Metatomic``, ``UMA`` and ``Orb`` wrap machine-learned
-potentials; their packages are imported only when a model is built (extras
+``MACE``, ``NequIP``, ``CHGNet``, ``Metatomic``, ``UMA``, ``Orb`` and ``MatterSim`` wrap
+machine-learned potentials; their packages are imported only when a model is built (extras
 ``ase-shard[sevenn]``, ``[mace]``, ``[nequip]``, ``[chgnet]``, ``[metatomic]``,
-``[fairchem]``, ``[orb]``).
+``[fairchem]``, ``[orb]``, ``[mattersim]``).
 """
 
 from ase_shard.models.chgnet import CHGNet
 from ase_shard.models.emt import EMT
 from ase_shard.models.lj import LennardJones
 from ase_shard.models.mace import MACE
+from ase_shard.models.mattersim import MatterSim
 from ase_shard.models.metatomic import Metatomic
 from ase_shard.models.morse import Morse
 from ase_shard.models.nequip import Allegro, NequIP
@@ -24,6 +25,7 @@ __all__ = [
     "EMT",
     "LennardJones",
     "MACE",
+    "MatterSim",
     "Metatomic",
     "Morse",
     "NequIP",
