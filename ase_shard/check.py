@@ -176,6 +176,18 @@ def own_calculator(spec: ModelSpec, modality: str | None, dtype: torch.dtype) ->
         from metatomic_ase import MetatomicCalculator
 
         return MetatomicCalculator(source, device="cpu")
+    if kind == "uma":
+        from fairchem.core.calculate.ase_calculator import FAIRChemCalculator
+        from fairchem.core.units.mlip_unit import MLIPPredictUnit
+        from fairchem.core.units.mlip_unit.api.inference import InferenceSettings
+
+        # as the adapter runs it: experts unmerged, not compiled, in dtype
+        settings = InferenceSettings(
+            merge_mole=False, compile=False, activation_checkpointing=False,
+            base_precision_dtype=dtype,
+        )
+        unit = MLIPPredictUnit(source, device="cpu", inference_settings=settings)
+        return FAIRChemCalculator(unit, task_name=modality)
     raise CLIError(f"--model {spec.label}: no own ASE calculator known to compare with")
 
 
@@ -190,7 +202,7 @@ def run(args: argparse.Namespace, spec: ModelSpec) -> int:
     calculator. Rank 0 prints the report; 0 when every difference is within
     :data:`TOLERANCE`, else 1 (on every rank)."""
     comm = Comm()
-    model = build_model(spec, args.modality)
+    model = build_model(spec, args.modality, args.dtype)
     calc = make_calculator(model, args)
     dtype = calc.dtype
     elements = choose_elements(getattr(model, "atomic_types", None), args.elements)

@@ -49,13 +49,17 @@ from ase_shard.presets import (
     BENCH_MODELS,
     BUILTIN_MODELS,
     CHGNET_MODELS,
+    MATTERSIM_CHECKPOINTS,
+    MATTERSIM_FOLDER,
     MODEL_FILES,
     NO_EDGE,
+    ORB_MODELS,
     PREFIXED_FILES,
     SEVENN_CHECKPOINTS,
     SYSTEMS,
     CLIError,
     ModelSpec,
+    downloaded_mattersim,
     load_system,
     resolve_model,
     shipped_checkpoints,
@@ -171,13 +175,16 @@ def _add_model_options(parser: argparse.ArgumentParser, bench: bool) -> None:
         "checkpoint shipped with sevenn (7net-0, 7net-l3i5, 7net-mf-0, ...: see "
         "`ase-shard info --models`), CHGNet (chgnet, chgnet-0.2.0, ...), or a model file: "
         "SevenNet .pth, MACE .model, NequIP/Allegro .nequip.zip or .ckpt, or KIND:PATH "
-        "(sevenn, mace, nequip, metatomic: e.g. metatomic:pet-mad.pt) (default: the "
+        "(sevenn, mace, nequip, metatomic, uma, mattersim: e.g. metatomic:pet-mad.pt), or "
+        "Orb-v3 as "
+        "orb:FILE.ckpt or orb:NAME (default: the "
         f"system's; emt for files){more}",
     )
     parser.add_argument(
         "--modality",
         help="fidelity of a multi-fidelity SevenNet model (7net-mf-0: PBE or R2SCAN), or "
-        "the head of a multi-head MACE model",
+        "the head of a multi-head MACE model, or the task of a UMA model (omat, omol, oc20, "
+        "odac, omc)",
     )
 
 
@@ -539,7 +546,7 @@ def _bench_model(spec: ModelSpec, atoms: Atoms, args: argparse.Namespace):
             seed=args.seed,
             **layers,
         )
-    return md.build_model(spec, args.modality)
+    return md.build_model(spec, args.modality, args.dtype)
 
 
 # ----------------------------------------------------------------------------- info
@@ -689,6 +696,20 @@ def models_report() -> list[str]:
     missing = [name for name in SEVENN_CHECKPOINTS if name not in shipped]
     if missing:
         lines.append(f"  {'not here':<17} " + ", ".join(missing) + " (sevenn downloads them)")
+    lines.append(
+        "orb            orb:FILE.ckpt (an Orb-v3 conservative checkpoint under orb's own file "
+        "name, e.g. orb-v3-conservative-inf-omat-20250404.ckpt), or orb:NAME from orb's "
+        f"download cache ({', '.join(ORB_MODELS)}): {_adapter_state('orb')}"
+    )
+    downloaded = downloaded_mattersim()
+    names = ", ".join(
+        f"{name} ({'downloaded' if name in downloaded else 'not here'})"
+        for name in MATTERSIM_CHECKPOINTS
+    )
+    lines.append(
+        f"mattersim      {names} in {MATTERSIM_FOLDER} (mattersim downloads them), any "
+        f"checkpoint as --model mattersim:FILE: {_adapter_state('mattersim')}"
+    )
     state = _adapter_state("chgnet")
     lines.append(f"chgnet         shipped in the chgnet wheel: {state}")
     for name, version in CHGNET_MODELS.items():

@@ -97,6 +97,16 @@ class LocalGraph:
         layer), in the padded graphs of ``torch.compile`` (the counts change
         every step) and in graphs built by hand; a model then computes on
         every node and edge. Optional: a model may ignore it.
+    system_sum : callable or None
+        ``system_sum(partial)`` adds a rank's ``partial`` tensor (any shape,
+        the same on every rank) over all ranks of the evaluation and returns
+        the sum in ``partial``'s dtype and device, identical on every rank.
+        For a model whose energy is not a sum of per-atom terms (a readout of
+        the mean of all atoms' features, as Orb's): it sums its owned nodes'
+        part. Collective: every rank calls it the same number of times, also a
+        rank that owns no atoms. The sum is a constant for autograd. ``None``
+        where the graph holds the whole system (one process, graphs built by
+        hand): the sum is ``partial`` itself.
     """
 
     numbers: torch.Tensor
@@ -107,6 +117,7 @@ class LocalGraph:
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     system: dict[str, torch.Tensor] = field(default_factory=dict)
     hops: Hops | None = None
+    system_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def n_atoms(self) -> int:
@@ -128,12 +139,18 @@ class ShardModel(Protocol):
 
     Optional declarations: ``per_atom_inputs`` (names of ``Atoms`` arrays,
     e.g. ``("initial_charges",)``) and ``system_inputs`` (names looked up in
-    ``atoms.info``, else the calculator's parameters, e.g. ``("charge",)``)
-    arrive as ``graph.inputs`` and ``graph.system`` (see ``ase_shard.inputs``).
+    ``atoms.info``, else the calculator's parameters, else the model's
+    ``system_input_defaults``, e.g. ``("charge",)``) arrive as ``graph.inputs``
+    and ``graph.system`` (see ``ase_shard.inputs``).
 
     A model that sets ``supports_layer_halo = True`` calls
     ``graph.exchange`` between its layers when it is not ``None``; it then
     runs with a one-cutoff halo (``ShardedCalculator(halo="layer")``).
+
+    A model whose energy is not a sum of per-atom terms sums its owned nodes'
+    part over the ranks with ``graph.system_sum`` (collective); one whose
+    results the padded graphs of ``compile=...`` would change declares
+    ``supports_compile = False`` and is refused there.
     """
 
     cutoff: float

@@ -5,6 +5,11 @@ A model declares what it needs::
     per_atom_inputs = ("initial_charges",)   # Atoms arrays, travel with the atoms
     system_inputs = ("charge", "spin")       # atoms.info, else calculator parameters
 
+A model may also give ``system_input_defaults``, a mapping from some of its
+system names to functions of the ``Atoms`` that give the value when neither
+``atoms.info`` nor the parameters do (a default charge, or a value derived from
+the whole system such as its composition).
+
 A per-atom name is an ``Atoms`` array (``atoms.arrays[name]``, e.g. a custom
 array set with ``atoms.set_array``) or anything with an ``Atoms.get_<name>()``
 getter (``initial_charges``, ``initial_magmoms``, ``velocities``, ``momenta``,
@@ -15,7 +20,7 @@ parameter of that name (``ShardedCalculator(model, charge=1)``).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 from ase import Atoms
@@ -30,16 +35,29 @@ class ModelInputs:
         Names of per-atom arrays.
     system : sequence of str
         Names of per-system values.
+    defaults : mapping of str to callable, optional
+        For some system names, a function of the ``Atoms`` giving the value
+        when neither ``atoms.info`` nor the parameters do.
     """
 
-    def __init__(self, per_atom: Sequence[str] = (), system: Sequence[str] = ()):
+    def __init__(
+        self,
+        per_atom: Sequence[str] = (),
+        system: Sequence[str] = (),
+        defaults: Mapping[str, Callable[[Atoms], object]] | None = None,
+    ):
         self.per_atom = tuple(per_atom)
         self.system = tuple(system)
+        self.defaults = dict(defaults or {})
 
     @classmethod
     def of(cls, model) -> ModelInputs:
         """What ``model`` declares (nothing if it declares nothing)."""
-        return cls(getattr(model, "per_atom_inputs", ()), getattr(model, "system_inputs", ()))
+        return cls(
+            getattr(model, "per_atom_inputs", ()),
+            getattr(model, "system_inputs", ()),
+            getattr(model, "system_input_defaults", None),
+        )
 
     def __bool__(self) -> bool:
         return bool(self.per_atom or self.system)
@@ -68,6 +86,8 @@ class ModelInputs:
         values = {}
         for name in self.system:
             value = atoms.info.get(name, parameters.get(name))
+            if value is None and name in self.defaults:
+                value = self.defaults[name](atoms)
             if value is None:
                 raise ValueError(
                     f"the model needs the per-system value {name!r}: set atoms.info[{name!r}] "

@@ -223,7 +223,7 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
         thermalise(atoms, target, rng)
     if args.distributed:
         atoms = distribute(atoms)  # every rank holds the same atoms: each keeps its share
-    calc = make_calculator(build_model(spec, modality), args)
+    calc = make_calculator(build_model(spec, modality, args.dtype), args)
     atoms.calc = calc
     dyn = make_dynamics(atoms, args, physics, rng)
     if draw:
@@ -302,10 +302,13 @@ def _same_file(a: str, b: str) -> bool:
 # ----------------------------------------------------------------------------- set-up
 
 
-def build_model(spec: ModelSpec, modality: str | None) -> torch.nn.Module:
-    """The torch model of a resolved ``--model`` (identical on every rank)."""
-    if modality is not None and spec.kind not in ("sevenn", "mace"):
-        raise CLIError(f"--modality applies to SevenNet and MACE models, not {spec.label}")
+def build_model(
+    spec: ModelSpec, modality: str | None, dtype: str | None = None
+) -> torch.nn.Module:
+    """The torch model of a resolved ``--model`` (identical on every rank); ``dtype``
+    (``--dtype``) for the models that are built in their precision (UMA)."""
+    if modality is not None and spec.kind not in ("sevenn", "mace", "uma"):
+        raise CLIError(f"--modality applies to SevenNet, MACE and UMA models, not {spec.label}")
     if spec.kind == "builtin":
         return MODELS[spec.source]()
     if spec.kind == "sevenn":
@@ -329,6 +332,25 @@ def build_model(spec: ModelSpec, modality: str | None) -> torch.nn.Module:
         from ase_shard.models import Metatomic
 
         return Metatomic(spec.source)
+    if spec.kind == "uma":
+        from ase_shard.models import UMA
+
+        try:
+            # fairchem builds its constant buffers in the model's precision
+            precision = torch.float64 if dtype == "float64" else torch.float32
+            return UMA(spec.source, task=modality, dtype=precision)
+        except ValueError as exc:
+            if "task" not in str(exc):
+                raise
+            raise CLIError(f"--model {spec.label}: {exc} (option --modality)") from None
+    if spec.kind == "orb":
+        from ase_shard.models import Orb
+
+        return Orb(spec.source)
+    if spec.kind == "mattersim":
+        from ase_shard.models import MatterSim
+
+        return MatterSim(spec.source)
     from ase_shard.models import NequIP
 
     return NequIP(spec.source)

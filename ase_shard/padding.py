@@ -100,6 +100,7 @@ def pad_graph(
         inputs={name: nodes(value, 0.0) for name, value in graph.inputs.items()},
         system=graph.system,
         hops=None,
+        system_sum=graph.system_sum,
     )
 
 
@@ -121,9 +122,20 @@ class CompiledModel:
         outgrows them, so the ranks recompile together, rarely.
     fallbacks : int
         Frames torch.compile gave up on (they ran eagerly) while this model ran.
+
+    Raises
+    ------
+    ValueError
+        For a model that declares ``supports_compile = False``: one whose
+        results the padding rows would change (Orb's mean over owned nodes).
     """
 
     def __init__(self, model: torch.nn.Module, backend: str):
+        if getattr(model, "supports_compile", True) is False:
+            raise ValueError(
+                f"{type(model).__name__} does not run compiled (compile=...): the padded "
+                "graphs' spare rows would change its results; run it without compile"
+            )
         # a frame dynamo cannot compile runs eagerly instead of raising; counted and
         # warned about in count_fallbacks
         torch._dynamo.config.suppress_errors = True

@@ -55,6 +55,23 @@ CHGNET_MODELS = {
     "chgnet-0.2.0": "0.2.0",
     "chgnet-r2scan": "r2scan",
 }
+# Orb-v3 by --model orb:FILE (orb's .ckpt holds weights only, for the architecture its
+# file name starts with; the ending alone is NequIP's) or orb:NAME (orb's download cache)
+ORB_PREFIX = "orb:"
+ORB_MODELS = (
+    "orb-v3-conservative-inf-omat",
+    "orb-v3-conservative-20-omat",
+    "orb-v3-conservative-inf-mpa",
+    "orb-v3-conservative-20-mpa",
+)
+# MatterSim's pretrained checkpoints by --model name -> the file mattersim downloads
+# into MATTERSIM_FOLDER on first use; they do not ship in the wheel, so only those
+# already downloaded are offered
+MATTERSIM_CHECKPOINTS = {
+    "mattersim-1m": "mattersim-v1.0.0-1M.pth",
+    "mattersim-5m": "mattersim-v1.0.0-5M.pth",
+}
+MATTERSIM_FOLDER = "~/.local/mattersim/pretrained_models"
 # model files by name ending -> (adapter kind, what the file is)
 MODEL_FILES = {
     ".pth": ("sevenn", "SevenNet checkpoint"),
@@ -68,6 +85,8 @@ PREFIXED_FILES = {
     "mace": "MACE model",
     "nequip": "NequIP/Allegro package or checkpoint",
     "metatomic": "exported metatomic model (e.g. PET-MAD)",
+    "uma": "fairchem UMA inference checkpoint (task: --modality)",
+    "mattersim": "MatterSim checkpoint",
 }
 # adapter kind -> (module it imports, its distribution)
 ADAPTER_PACKAGES = {
@@ -76,6 +95,10 @@ ADAPTER_PACKAGES = {
     "nequip": ("nequip", "nequip"),
     "chgnet": ("chgnet", "chgnet"),
     "metatomic": ("metatomic.torch", "metatomic-torch"),
+    "uma": ("fairchem.core", "fairchem-core"),
+    "orb": ("orb_models", "orb-models"),
+    # the module the adapter loads (mattersim's top level imports none of it)
+    "mattersim": ("mattersim.forcefield", "mattersim"),
 }
 # fcc argon at the density of the liquid near its boiling point, 1.40 g/cm³
 ARGON_LIQUID_A = 5.74
@@ -84,8 +107,9 @@ ARGON_LIQUID_A = 5.74
 @dataclass(frozen=True)
 class ModelSpec:
     """A resolved ``--model``: ``kind`` is ``builtin``, ``bench`` (random weights),
-    ``sevenn``, ``mace``, ``nequip``, ``chgnet`` or ``metatomic``; ``source`` the name
-    (CHGNet's own, e.g. ``0.3.0``, for ``chgnet``) or the file path;
+    ``sevenn``, ``mace``, ``nequip``, ``chgnet``, ``metatomic``, ``uma``, ``orb`` or
+    ``mattersim``; ``source`` the name (CHGNet's own, e.g. ``0.3.0``, for ``chgnet``;
+    orb's for ``orb:NAME``) or the file path;
     ``label`` what the run prints; ``argument`` the ``--model`` value that finds
     the model again from any directory (the name, or the file's absolute path),
     which ``ase-shard md`` records in its frames for ``--restart``."""
@@ -101,7 +125,7 @@ def same_model(a: ModelSpec, b: ModelSpec) -> bool:
     the same file (a shipped checkpoint by name or by path)."""
     if a.kind != b.kind:
         return False
-    if a.kind in ("builtin", "bench", "chgnet"):
+    if a.kind in ("builtin", "bench", "chgnet") or (a.kind == "orb" and a.source in ORB_MODELS):
         return a.source == b.source
     return os.path.realpath(a.source) == os.path.realpath(b.source)
 
@@ -126,11 +150,29 @@ def shipped_checkpoints() -> dict[str, Path]:
     return found
 
 
+def mattersim_checkpoint(name: str) -> Path | None:
+    """Where mattersim keeps the pretrained checkpoint ``name`` (``mattersim-1m``,
+    ``mattersim-5m``, or mattersim's own ``mattersim-v1.0.0-1m[.pth]``; any case),
+    whether or not it is there; ``None`` for another name."""
+    key = name.lower()
+    for short, filename in MATTERSIM_CHECKPOINTS.items():
+        if key in (short, filename.lower(), filename.lower().removesuffix(".pth")):
+            return Path(MATTERSIM_FOLDER).expanduser() / filename
+    return None
+
+
+def downloaded_mattersim() -> dict[str, Path]:
+    """MatterSim's pretrained checkpoints that mattersim has downloaded here, by name."""
+    found = {name: mattersim_checkpoint(name) for name in MATTERSIM_CHECKPOINTS}
+    return {name: path for name, path in found.items() if path.is_file()}
+
+
 def model_choices(bench: bool = False) -> list[str]:
     """The model names ``--model`` takes here (besides model files)."""
     extra = [*BENCH_MODELS, NO_EDGE] if bench else []
     chgnet = list(CHGNET_MODELS) if importlib.util.find_spec("chgnet") else []
-    return [*BUILTIN_MODELS, *extra, *shipped_checkpoints(), *chgnet]
+    mattersim = list(downloaded_mattersim()) if importlib.util.find_spec("mattersim") else []
+    return [*BUILTIN_MODELS, *extra, *shipped_checkpoints(), *chgnet, *mattersim]
 
 
 def resolve_model(name: str, bench: bool = False) -> ModelSpec:
@@ -152,12 +194,30 @@ def resolve_model(name: str, bench: bool = False) -> ModelSpec:
         return ModelSpec("sevenn", str(shipped[key]), key, key)
     if key in CHGNET_MODELS:
         return ModelSpec("chgnet", CHGNET_MODELS[key], key, key)
+    checkpoint = mattersim_checkpoint(key)
+    if checkpoint is not None:
+        if not checkpoint.is_file():
+            raise CLIError(
+                f"--model {name}: not downloaded here (mattersim keeps it at {checkpoint}; "
+                f"its wheel does not ship it): give --model mattersim:FILE"
+            )
+        return ModelSpec("mattersim", str(checkpoint), key, key)
+    if key.startswith(ORB_PREFIX):
+        source = name[len(ORB_PREFIX) :]
+        if os.path.isfile(source):
+            return ModelSpec("orb", source, name, ORB_PREFIX + os.path.abspath(source))
+        if source.lower() in ORB_MODELS:
+            return ModelSpec("orb", source.lower(), key, key)
+        raise CLIError(
+            f"--model {name}: not a file, nor one of orb's conservative Orb-v3 models "
+            f"({', '.join(ORB_MODELS)})"
+        )
     kind, colon, path = name.partition(":")
     if colon and kind in PREFIXED_FILES:
         if not os.path.isfile(path):
             raise CLIError(f"--model {name}: no {PREFIXED_FILES[kind]} file at {path!r}")
         return ModelSpec(kind, path, name, f"{kind}:{os.path.abspath(path)}")
-    prefixes = ", ".join(f"{kind}:PATH" for kind in PREFIXED_FILES)
+    prefixes = ", ".join([*(f"{kind}:PATH" for kind in PREFIXED_FILES), "orb:FILE|NAME"])
     if os.path.isfile(name):
         for ending, (kind, _) in MODEL_FILES.items():
             if name.endswith(ending):

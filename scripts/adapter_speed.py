@@ -74,12 +74,14 @@ REQUIRES = {
     "nequip": ("nequip",),
     "allegro": ("nequip", "allegro"),
     "mace": ("mace",),
+    "mattersim": ("mattersim",),
 }
 ELEMENTS = {
     "sevennet": (29, 47, 79),
     "nequip": (29, 47, 79),
     "allegro": (29, 47, 79),
     "mace": (29, 13, 47),
+    "mattersim": (29, 47, 79),
 }
 
 
@@ -146,11 +148,28 @@ def _nequip_family(kind: str, workdir: Path) -> Subjects:
     )
 
 
+def _mattersim(workdir: Path) -> Subjects:
+    from test_mattersim import reference_calculator, tiny_m3gnet
+
+    from ase_shard.models.mattersim import MatterSim
+
+    # MatterSim-v1's sizes (mattersim's defaults), random weights, float64
+    network = tiny_m3gnet(
+        units=128, num_blocks=4, max_l=4, max_n=4, cutoff=5.0, threebody_cutoff=4.0
+    ).double()
+    return Subjects(
+        "MatterSim (M3GNet), 4 blocks, 128 units, max_l = max_n = 4, cutoffs 5 and 4 Å",
+        reference_calculator(network),
+        MatterSim(network),
+    )
+
+
 FAMILIES: dict[str, Callable[[Path], Subjects]] = {
     "sevennet": _sevennet,
     "nequip": partial(_nequip_family, "nequip"),
     "allegro": partial(_nequip_family, "allegro"),
     "mace": _mace,
+    "mattersim": _mattersim,
 }
 
 

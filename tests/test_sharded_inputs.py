@@ -13,6 +13,7 @@ from sharded import COMM, assert_identical_on_all_ranks, random_gas, results
 from toy_models import ChargedPairs
 
 from ase_shard import ShardedCalculator
+from ase_shard.inputs import ModelInputs
 
 RTOL = 1e-10
 
@@ -94,6 +95,25 @@ def test_system_value_from_calculator_parameters() -> None:
     assert_matches_oracle(atoms)
     atoms.info["charge"] = 1.5  # atoms.info takes precedence: same value, same result
     assert_matches_oracle(atoms)
+
+
+class DefaultCharge(ChargedPairs):
+    """ChargedPairs whose charge defaults to 1.5 (a model's ``system_input_defaults``)."""
+
+    system_input_defaults = {"charge": lambda atoms: 1.5}
+
+
+def test_system_value_from_model_defaults() -> None:
+    """A model's default comes after atoms.info and the calculator's parameters."""
+    atoms = charged_gas((True, True, True))
+    del atoms.info["charge"]
+    atoms.calc = ShardedCalculator(DefaultCharge())
+    assert_matches_oracle(atoms)
+    inputs = ModelInputs.of(DefaultCharge())
+    assert inputs.system_values(atoms, {}) == {"charge": 1.5}
+    assert inputs.system_values(atoms, {"charge": 2}) == {"charge": 2.0}
+    atoms.info["charge"] = 3
+    assert inputs.system_values(atoms, {"charge": 2}) == {"charge": 3.0}
 
 
 def test_missing_inputs_raise_on_every_rank() -> None:

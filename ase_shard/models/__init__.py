@@ -1,19 +1,23 @@
 """Torch potentials for ``ShardedCalculator``.
 
 ``LennardJones``, ``Morse`` and ``EMT`` re-implement ASE's calculators. ``SevenNet``,
-``MACE``, ``NequIP``, ``CHGNet`` and ``Metatomic`` wrap machine-learned potentials; their
-packages are imported only when a model is built (extras ``ase-shard[sevenn]``,
-``[mace]``, ``[nequip]``, ``[chgnet]``, ``[metatomic]``).
+``MACE``, ``NequIP``, ``CHGNet``, ``Metatomic``, ``UMA``, ``Orb`` and ``MatterSim`` wrap
+machine-learned potentials; their packages are imported only when a model is built (extras
+``ase-shard[sevenn]``, ``[mace]``, ``[nequip]``, ``[chgnet]``, ``[metatomic]``,
+``[fairchem]``, ``[orb]``, ``[mattersim]``).
 """
 
 from ase_shard.models.chgnet import CHGNet
 from ase_shard.models.emt import EMT
 from ase_shard.models.lj import LennardJones
 from ase_shard.models.mace import MACE
+from ase_shard.models.mattersim import MatterSim
 from ase_shard.models.metatomic import Metatomic
 from ase_shard.models.morse import Morse
 from ase_shard.models.nequip import Allegro, NequIP
+from ase_shard.models.orb import Orb
 from ase_shard.models.sevenn import SevenNet
+from ase_shard.models.uma import UMA
 
 __all__ = [
     "Allegro",
@@ -21,8 +25,11 @@ __all__ = [
     "EMT",
     "LennardJones",
     "MACE",
+    "MatterSim",
     "Metatomic",
     "Morse",
     "NequIP",
+    "Orb",
     "SevenNet",
+    "UMA",
 ]

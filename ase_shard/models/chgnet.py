@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from ase_shard.graph import LocalGraph
+from ase_shard.models.triplets import angle_pairs, pairs_within
 
 # the pretrained models that ship inside the chgnet wheel (chgnet/pretrained/)
 SHIPPED = ("0.3.0", "0.2.0", "r2scan")
@@ -122,19 +123,6 @@ def _reverse_edges(edge_index: torch.Tensor, edge_vectors: torch.Tensor) -> torc
     return edge_of_key[key[n_edges:]]
 
 
-def _pairs_within(keys: torch.Tensor, n_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """All ordered pairs ``(a, b)`` of positions with ``keys[a] == keys[b]``, ``a`` sorted."""
-    order = torch.argsort(keys, stable=True)
-    sorted_keys = keys[order]
-    counts = torch.bincount(sorted_keys, minlength=n_keys)
-    start = torch.cumsum(counts, 0) - counts
-    per_entry = counts[sorted_keys]
-    first = torch.repeat_interleave(torch.arange(len(keys), device=keys.device), per_entry)
-    block = torch.repeat_interleave(torch.cumsum(per_entry, 0) - per_entry, per_entry)
-    second = start[sorted_keys][first] + torch.arange(len(first), device=keys.device) - block
-    return order[first], order[second]
-
-
 @dataclass(frozen=True)
 class BondGraph:
     """CHGNet's bonds and three-body graph on a rank's edges.
@@ -184,9 +172,7 @@ def bond_graph(
     # angles at each centre: ordered pairs of two different short edges
     centre = edge_index[0]
     candidates = short.nonzero().squeeze(1)
-    first, second = _pairs_within(centre[candidates], n_nodes)
-    distinct = first != second
-    first, second = candidates[first[distinct]], candidates[second[distinct]]
+    first, second = angle_pairs(centre, candidates, n_nodes)
     targets = first
     flipped = torch.zeros_like(first, dtype=torch.bool)
     # a short edge without a reverse that pairs back (see _reverse_edges) is a bond of
@@ -198,7 +184,7 @@ def bond_graph(
         there = torch.zeros(n_nodes, dtype=torch.bool, device=device)
         there[far] = True
         others = candidates[there[centre[candidates]]]
-        a, b = _pairs_within(torch.cat([far, centre[others]]), n_nodes)
+        a, b = pairs_within(torch.cat([far, centre[others]]), n_nodes)
         taken = (a < len(lone)) & (b >= len(lone))
         lone_edge, other = lone[a[taken]], others[b[taken] - len(lone)]
         # the reverse itself, where listed, is the same bond: not an angle
