@@ -185,7 +185,8 @@ def test_restart_of_7net0_runs_7net0(tmp_path: Path, capsys) -> None:
 
 def test_modality_for_a_builtin_exit_2(capsys) -> None:
     assert main(["md", "--size", "2", "--model", "emt", "--modality", "PBE"]) == 2
-    assert "--modality applies to SevenNet and MACE" in capsys.readouterr().err
+    message = "--modality applies to SevenNet, MACE and UMA models, not emt"
+    assert message in capsys.readouterr().err
 
 
 def launch_acceptance(folder: Path) -> tuple[subprocess.CompletedProcess, Path]:
