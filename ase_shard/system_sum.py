@@ -9,7 +9,6 @@ nodes' features and :class:`SystemSum` adds the ranks' partial sums.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ase_shard.comm import Comm
@@ -36,9 +35,7 @@ class SystemSum:
         if comm.mpi is None or comm.size == 1:
             return partial.detach()
         check_status(*comm.status(False), "during a system sum")
-        mine = np.ascontiguousarray(partial.detach().to("cpu", torch.float64).numpy()).ravel()
-        every = np.empty((comm.size, mine.size), dtype=np.float64)
-        with comm._call():
-            comm.mpi.Allgather(mine, every)
+        mine = partial.detach().to("cpu", torch.float64).numpy().reshape(1, -1)
+        every = comm.allgather_rows(mine, [1] * comm.size)  # (ranks, partial.numel())
         total = every.sum(axis=0).reshape(partial.shape)
         return torch.as_tensor(total, dtype=partial.dtype, device=partial.device)
