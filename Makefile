@@ -114,14 +114,15 @@ lint: $(STAMP)
 # 41 s spinning, 28 s yielding). The mpirun runs of our tests come after, with the
 # machine to themselves: in a third lane, they slowed the main run past its limit
 # (docs/index.md: 1,124 s for make test as here, 1,244 s with only the one-process runs
-# side by side).
+# side by side). The main run's bound is 1,500 s: in its lane it took 775 s on an idle VM
+# and passed 900 s in a fresh clone (cold caches) beside other work.
 mace_mpi_run = $(GUARD) 600 $(MACE_BIN)/mpirun --oversubscribe -n $(1) $(MACE_BIN)/python \
 	$(PYTEST) --with-mpi -p no:cacheprovider $(call exchange_report,mace-$(1)) \
 	tests/test_sharded_mace.py
 test: lint $(STAMP) $(MACE_STAMP)
 	$(if $(EXCHANGE_REPORT),mkdir -p $(EXCHANGE_REPORT))
 	OMPI_MCA_mpi_yield_when_idle=1 $(BIN)/python tests/side_by_side.py \
-		-- $(GUARD) 900 $(BIN)/python $(PYTEST) $(addprefix --ignore=,$(MACE_TESTS)) \
+		-- $(GUARD) 1500 $(BIN)/python $(PYTEST) $(addprefix --ignore=,$(MACE_TESTS)) \
 		-- $(CONFORMANCE_ONE) --then $(CONFORMANCE_MPI) \
 			--then $(GUARD) 600 $(MACE_BIN)/python $(PYTEST) -p no:cacheprovider $(MACE_TESTS) \
 			$(foreach n,$(MACE_RANKS),--then $(call mace_mpi_run,$(n)))

@@ -111,15 +111,16 @@ def main(argv: Sequence[str]) -> int:
             return 130
         steps = [step for lane in lanes for step in lane.steps]
         for step in steps:
-            if step.log is None or step.status is None:
+            if step.log is None:
                 continue
-            sys.stdout.write(
-                f"== ran beside the first, exit status {step.status} after {step.seconds:.0f} s: "
-            )
-            sys.stdout.write(f"{shlex.join(step.command)}\n")
-            step.log.seek(0)
-            sys.stdout.write(step.log.read())
-            sys.stdout.flush()
+            if step.status is not None:  # a step its lane never started has no output
+                sys.stdout.write(
+                    f"== ran beside the first, exit status {step.status} "
+                    f"after {step.seconds:.0f} s: {shlex.join(step.command)}\n"
+                )
+                step.log.seek(0)
+                sys.stdout.write(step.log.read())
+                sys.stdout.flush()
             step.log.close()
     failed = [step for step in steps if step.status]
     for step in failed:
