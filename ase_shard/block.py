@@ -16,8 +16,10 @@ from ase_shard.graph import (
     EdgeList,
     Hops,
     LocalGraph,
+    PredictedForces,
     direct_forces,
     model_dtype,
+    predicts_forces,
     takes_pairs_once,
 )
 from ase_shard.halo import RankRows
@@ -282,6 +284,8 @@ class LocalBlock:
         on_host = on_host and model_dtype(model) == torch.float64
         self._direct = direct_forces(model) if on_host else None
         self._columns: np.ndarray | None = None  # the direct path's result
+        # forces and virials as the model's outputs (PredictedForces): no autograd
+        self._predicts = predicts_forces(model)
         newton_pair = self._direct is not None and takes_pairs_once(model)
         self._pair_halo = pair_halo if newton_pair else None
         types = getattr(model, "atomic_types", None)
@@ -471,6 +475,10 @@ class LocalBlock:
 
         Notes
         -----
+        A model that predicts its forces (:class:`ase_shard.graph.PredictedForces`)
+        gives its owned atoms' columns itself, without autograd; its ghosts'
+        columns are zero.
+
         A one-layer model with ``energy_forces`` (:class:`ase_shard.graph.DirectForces`,
         the built-in potentials) computes the columns itself on a CPU in
         float64 without ``torch.compile``, from the edges listed at the last
@@ -494,7 +502,7 @@ class LocalBlock:
             del vectors64, within, squared
             # edges are formed in float64, then cast, so float32 models do not
             # lose precision to large absolute coordinates
-            vectors = d.detach().to(dtype).requires_grad_(True)
+            vectors = d.detach().to(dtype).requires_grad_(not self._predicts)
             wrt = [vectors]
             exchange = None
             if self.exchange is not None:
@@ -511,19 +519,31 @@ class LocalBlock:
                 None if self._hops is None else Hops(tuple(kept), *self._hops),
                 self.system_sum,
             )
-            if self.capacity is None:
+            predicted = None
+            if self._predicts:
+                graph.positions = positions.to(dtype)
+                graph.cell = torch.as_tensor(cell, dtype=torch.float64).to(self.device, dtype)
+                with torch.no_grad():
+                    predicted = self.model(graph)
+                if not isinstance(predicted, PredictedForces):
+                    raise TypeError(
+                        f"{type(self.model).__name__} declares predicts_forces but returned "
+                        f"{type(predicted).__name__}, not ase_shard.graph.PredictedForces"
+                    )
+                predicted.check(self.n_owned, type(self.model).__name__)
+            elif self.capacity is None:
                 owned_energy = self.model(graph)[: self.n_owned]
             else:
                 padded = pad_graph(graph, self.capacity, self.fill_number, self.model.cutoff)
                 owned_energy = self.compiled(padded)[: self.n_owned]
 
         with timer.phase("backward"):
-            # with an exchange every rank must run backward (it is collective)
-            if owned_energy.requires_grad and (exchange is not None or vectors.shape[0]):
-                grad = torch.autograd.grad(owned_energy.sum(), wrt, allow_unused=True)[0]
-            else:
+            if predicted is None:
                 grad = None
-            grad = torch.zeros_like(d) if grad is None else grad.to(torch.float64)
+                # with an exchange every rank must run backward (it is collective)
+                if owned_energy.requires_grad and (exchange is not None or vectors.shape[0]):
+                    grad = torch.autograd.grad(owned_energy.sum(), wrt, allow_unused=True)[0]
+                grad = torch.zeros_like(d) if grad is None else grad.to(torch.float64)
 
         with timer.phase("reverse"):
             # reused: fresh pages for it cost more than zeroing it; two extra
@@ -532,8 +552,15 @@ class LocalBlock:
             if self._result is None:
                 self._result = d.new_zeros(size + 2)
             result = self._result.zero_()[:size].view(RESULT_COLUMNS, self.n_nodes)
-            sum_edge_gradients(i, j, d, grad, self.n_nodes, out=result[1:])
-            result[0, : self.n_owned] = owned_energy.detach().to(torch.float64)
+            if predicted is None:
+                sum_edge_gradients(i, j, d, grad, self.n_nodes, out=result[1:])
+                result[0, : self.n_owned] = owned_energy.detach().to(torch.float64)
+            else:
+                # the owned atoms' own results; the ghosts' columns stay zero
+                owned = result[:, : self.n_owned]
+                owned[0] = predicted.energies.to(torch.float64)
+                owned[1:4] = predicted.forces.to(torch.float64).t()
+                owned[4:] = predicted.virials.to(torch.float64).t()
             # NaN and inf reach the sum: one small reduction in the common case
             self._result[size] = result.sum()
             self._result[size + 1] = closest

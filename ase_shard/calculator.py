@@ -35,7 +35,7 @@ from ase_shard.block import LocalBlock
 from ase_shard.comm import CALCULATE, CLOSE, Comm, Failure, reraise
 from ase_shard.distributed import DistributedAtoms
 from ase_shard.exchange import Halo, PeerFailure, check_status
-from ase_shard.graph import ShardModel, check_model, model_digest
+from ase_shard.graph import ShardModel, check_model, model_digest, predicts_forces
 from ase_shard.inputs import ModelInputs, unpack
 from ase_shard.layouts import (
     DecompositionView,
@@ -118,7 +118,8 @@ class ShardedCalculator(Calculator):
 
     Results (eV, eV/Å, eV/Å³) equal the serial evaluation to round-off and are
     bitwise identical on every rank. ``stress``/``stresses`` exist only when the
-    cell has rank 3.
+    cell has rank 3; ``stresses`` not for a model that predicts its forces and
+    stress (:class:`ase_shard.graph.PredictedForces`).
 
     The arguments are checked when the calculator is made, on every rank: a
     model that does not follow the protocol raises ``TypeError``, any other
@@ -165,6 +166,11 @@ class ShardedCalculator(Calculator):
         )
         self.parameters.update(self.settings.parameters(model))
         self.inputs = ModelInputs.of(model)
+        if predicts_forces(self.model):
+            # a predicted stress has no per-atom split (ase_shard.graph.PredictedForces)
+            self.implemented_properties = [
+                name for name in self.implemented_properties if name != "stresses"
+            ]
         if hasattr(self.model, "reference_energies"):
             self.implemented_properties = [*self.implemented_properties, "node_energy"]
         self.rebuilds = 0

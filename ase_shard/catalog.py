@@ -66,6 +66,8 @@ def describe(spec: ModelSpec) -> str:
         f"{element_ranges(types)}"
     )
     line = f"{reach}; {elements}"
+    if getattr(model, "predicts_forces", False):
+        line += "; forces and stress predicted (not the energy's gradient)"
     if len(heads) > 1:
         line += f"; heads {', '.join(heads)}"
     return line

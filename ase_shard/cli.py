@@ -697,8 +697,8 @@ def models_report() -> list[str]:
     if missing:
         lines.append(f"  {'not here':<17} " + ", ".join(missing) + " (sevenn downloads them)")
     lines.append(
-        "orb            orb:FILE.ckpt (an Orb-v3 conservative checkpoint under orb's own file "
-        "name, e.g. orb-v3-conservative-inf-omat-20250404.ckpt), or orb:NAME from orb's "
+        "orb            orb:FILE.ckpt (an Orb-v3 conservative or direct checkpoint under orb's "
+        "own file name, e.g. orb-v3-conservative-inf-omat-20250404.ckpt), or orb:NAME from orb's "
         f"download cache ({', '.join(ORB_MODELS)}): {_adapter_state('orb')}"
     )
     downloaded = downloaded_mattersim()

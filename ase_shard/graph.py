@@ -107,6 +107,16 @@ class LocalGraph:
         rank that owns no atoms. The sum is a constant for autograd. ``None``
         where the graph holds the whole system (one process, graphs built by
         hand): the sum is ``partial`` itself.
+    positions : torch.Tensor or None
+        ``(n, 3)`` node positions in Å in the model's dtype (an owned node at
+        its atom, a ghost at the image of its atom that its edges reach).
+        Given only to a model that predicts its forces
+        (:class:`PredictedForces`): they are not the gradient of an energy, so
+        nothing forbids it absolute geometry. ``None`` for every other model,
+        which sees geometry only through ``edge_vectors``.
+    cell : torch.Tensor or None
+        ``(3, 3)`` the system's cell in Å in the model's dtype (zeros where
+        the ``Atoms`` have none); given, or ``None``, as ``positions``.
     """
 
     numbers: torch.Tensor
@@ -118,6 +128,8 @@ class LocalGraph:
     system: dict[str, torch.Tensor] = field(default_factory=dict)
     hops: Hops | None = None
     system_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+    positions: torch.Tensor | None = None
+    cell: torch.Tensor | None = None
 
     @property
     def n_atoms(self) -> int:
@@ -151,6 +163,10 @@ class ShardModel(Protocol):
     part over the ranks with ``graph.system_sum`` (collective); one whose
     results the padded graphs of ``compile=...`` would change declares
     ``supports_compile = False`` and is refused there.
+
+    A model whose forces and stress are outputs of its network, not the
+    gradient of its energy, declares ``predicts_forces = True`` and returns a
+    :class:`PredictedForces` instead of energies.
     """
 
     cutoff: float
@@ -158,6 +174,55 @@ class ShardModel(Protocol):
     atomic_types: Sequence[int] | None
 
     def __call__(self, graph: LocalGraph) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class PredictedForces:
+    """What ``forward`` returns for a model that declares ``predicts_forces = True``.
+
+    Such a model's forces and stress are outputs of its network (Orb's direct
+    models), so the calculator takes no gradient: it uses these as they are,
+    each rank's for the atoms it owns. The model is called under
+    ``torch.no_grad()`` (one that differentiates something itself enables
+    grad) and gets ``graph.positions`` and ``graph.cell``. Every owned atom's
+    force must be complete on its own rank, as its owned nodes' features are
+    (nothing is added from other ranks); what depends on the whole system (a
+    mean force removed, pooled features read out) goes through
+    ``graph.system_sum``. Not with ``compile=...``.
+
+    Attributes
+    ----------
+    energies : torch.Tensor
+        ``(n_owned,)`` eV: the owned atoms' shares of the system's energy
+        (``calc.results["energies"]``), adding up over all ranks to it.
+    forces : torch.Tensor
+        ``(n_owned, 3)`` eV/Å: the owned atoms' forces.
+    virials : torch.Tensor
+        ``(n_owned, 6)`` eV, Voigt xx, yy, zz, yz, xz, xy: the owned atoms'
+        shares of the system's virial (stress × volume), adding up over all
+        ranks to it; zeros where the cell has no volume. Per-atom stresses are
+        not defined for such a model (``calc.get_stresses()`` is refused).
+    """
+
+    energies: torch.Tensor
+    forces: torch.Tensor
+    virials: torch.Tensor
+
+    def check(self, n_owned: int, model: str) -> None:
+        """Raise ``ValueError`` unless the shapes fit ``n_owned`` owned atoms."""
+        wanted = {"energies": (n_owned,), "forces": (n_owned, 3), "virials": (n_owned, 6)}
+        for name, shape in wanted.items():
+            got = tuple(getattr(self, name).shape)
+            if got != shape:
+                raise ValueError(
+                    f"{model} predicted {name} of shape {got}, not {shape} (one row per "
+                    "owned atom)"
+                )
+
+
+def predicts_forces(model: ShardModel) -> bool:
+    """Whether the model returns :class:`PredictedForces` (``predicts_forces = True``)."""
+    return bool(getattr(model, "predicts_forces", False))
 
 
 # what every model declares (see ShardModel); forward is checked apart

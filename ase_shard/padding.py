@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ase_shard.graph import LocalGraph
+from ase_shard.graph import LocalGraph, predicts_forces
 
 GROWTH = 1.5  # capacity factor when outgrown (and headroom at the first build)
 
@@ -127,11 +127,13 @@ class CompiledModel:
     ------
     ValueError
         For a model that declares ``supports_compile = False``: one whose
-        results the padding rows would change (Orb's mean over owned nodes).
+        results the padding rows would change (Orb's mean over owned nodes),
+        and for one that predicts its forces (``PredictedForces``: one row per
+        owned atom, spare rows included).
     """
 
     def __init__(self, model: torch.nn.Module, backend: str):
-        if getattr(model, "supports_compile", True) is False:
+        if getattr(model, "supports_compile", True) is False or predicts_forces(model):
             raise ValueError(
                 f"{type(model).__name__} does not run compiled (compile=...): the padded "
                 "graphs' spare rows would change its results; run it without compile"

@@ -63,6 +63,10 @@ ORB_MODELS = (
     "orb-v3-conservative-20-omat",
     "orb-v3-conservative-inf-mpa",
     "orb-v3-conservative-20-mpa",
+    "orb-v3-direct-inf-omat",
+    "orb-v3-direct-20-omat",
+    "orb-v3-direct-inf-mpa",
+    "orb-v3-direct-20-mpa",
 )
 # MatterSim's pretrained checkpoints by --model name -> the file mattersim downloads
 # into MATTERSIM_FOLDER on first use; they do not ship in the wheel, so only those
@@ -209,7 +213,7 @@ def resolve_model(name: str, bench: bool = False) -> ModelSpec:
         if source.lower() in ORB_MODELS:
             return ModelSpec("orb", source.lower(), key, key)
         raise CLIError(
-            f"--model {name}: not a file, nor one of orb's conservative Orb-v3 models "
+            f"--model {name}: not a file, nor one of orb's Orb-v3 models "
             f"({', '.join(ORB_MODELS)})"
         )
     kind, colon, path = name.partition(":")

@@ -1,11 +1,11 @@
 """Orb-v3 adapter in one process: orb's own ASE calculator (ORBCalculator) as the oracle.
 
-The tiny models are Orb-v3's conservative architecture (orb's own builder,
-``orb_v3_conservative_architecture``) with random weights (seeded) and small sizes,
-in float64 on both sides. Their graph radius is 4 Å, shorter than the 6 Å that orb's
-Bessel basis and attention envelope are built for (fixed in orb's builder): edge
-features do not vanish at the radius, which changes nothing in a comparison on one
-structure but keeps the halo of the sharded tests small.
+The tiny models are Orb-v3's conservative and direct architectures (orb's own builders,
+``orb_v3_conservative_architecture`` and ``orb_v3_direct_architecture``) with random
+weights (seeded) and small sizes, in float64 on both sides. Their graph radius is 4 Å,
+shorter than the 6 Å that orb's Bessel basis and attention envelope are built for (fixed
+in orb's builder): edge features do not vanish at the radius, which changes nothing in
+a comparison on one structure but keeps the halo of the sharded tests small.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ pytest.importorskip("orb_models")
 
 from ase import Atoms  # noqa: E402
 from ase.build import bulk, fcc111, molecule  # noqa: E402
+from ase.calculators.calculator import PropertyNotImplementedError  # noqa: E402
 from oracles import ase_results, relative_errors  # noqa: E402
 
 from ase_shard import ShardedCalculator  # noqa: E402
@@ -46,6 +47,37 @@ def tiny_orb(
         device="cpu",
         **options,
     )
+
+
+def tiny_direct(
+    seed: int = 0, steps: int = 2, cap: int = 120, radius: float = 4.0
+) -> torch.nn.Module:
+    """Orb-v3's direct architecture, small and with random weights; its force and stress
+    heads' normalisers are not the identity (orb denormalises after removing the mean
+    force and the net torque)."""
+    from orb_models.forcefield.atomic_system import SystemConfig
+    from orb_models.forcefield.pretrained import orb_v3_direct_architecture
+
+    torch.manual_seed(seed)
+    network = orb_v3_direct_architecture(
+        latent_dim=16,
+        base_mlp_hidden_dim=16,
+        base_mlp_depth=1,
+        head_mlp_hidden_dim=16,
+        head_mlp_depth=1,
+        num_message_passing_steps=steps,
+        system_config=SystemConfig(radius=radius, max_num_neighbors=cap),
+        device="cpu",
+    )
+    forces, stress = network.heads["forces"], network.heads["stress"]
+    for normalizer, mean, std in (
+        (forces.normalizer, 0.05, 0.3),
+        (stress.diag_normalizer, -0.02, 0.4),
+        (stress.offdiag_normalizer, 0.01, 0.2),
+    ):
+        normalizer.bn.running_mean.fill_(mean)
+        normalizer.bn.running_var.fill_(std**2)
+    return network
 
 
 def orb_calculator(network: torch.nn.Module):
@@ -117,6 +149,11 @@ def tiny64():
 
 
 @pytest.fixture(scope="module")
+def direct64():
+    return tiny_direct().double()
+
+
+@pytest.fixture(scope="module")
 def capped64():
     """At most 6 neighbours: fewer than the 12 nearest of the fcc systems, so the cap
     drops edges and the graph is not symmetric."""
@@ -133,17 +170,10 @@ def test_attributes(tiny64) -> None:
 
 
 def test_refusals() -> None:
-    from orb_models.forcefield.pretrained import orb_v3_direct_architecture
-
-    with pytest.raises(NotImplementedError, match="direct models"):
-        Orb(
-            orb_v3_direct_architecture(
-                latent_dim=8,
-                base_mlp_hidden_dim=8,
-                head_mlp_hidden_dim=8,
-                num_message_passing_steps=1,
-            )
-        )
+    direct = tiny_direct(steps=1)
+    direct.heads["dipole"] = torch.nn.Linear(16, 3)
+    with pytest.raises(NotImplementedError, match="direct head 'dipole'"):
+        Orb(direct)
     with pytest.raises(NotImplementedError, match="charge and spin"):
         Orb(tiny_orb(steps=1, has_charge_spin_cond=True))
     with pytest.raises(ValueError, match="neither a checkpoint file nor a pretrained name"):
@@ -157,10 +187,11 @@ def test_refusals() -> None:
     )
 
 
-def test_compile_is_refused(tiny64) -> None:
+def test_compile_is_refused(tiny64, direct64) -> None:
     """torch.compile's padded graphs carry spare owned rows: they would enter the mean."""
-    with pytest.raises(ValueError, match="Orb does not run compiled"):
-        ShardedCalculator(Orb(tiny64), compile=True)
+    for network in (tiny64, direct64):
+        with pytest.raises(ValueError, match="Orb does not run compiled"):
+            ShardedCalculator(Orb(network), compile=True)
 
 
 def test_checkpoint_file_by_its_name(tmp_path, monkeypatch, tiny64) -> None:
@@ -199,6 +230,25 @@ def test_tiny_float64_matches_orb_calculator(tiny64, name: str) -> None:
     assert all(err <= RTOL64 for err in errors.values()), errors
     # the adapter's per-atom split adds up to orb's energy
     assert abs(got["energies"].sum() - ref["energy"]) <= RTOL64 * abs(ref["energy"])
+
+
+@pytest.mark.parametrize("name", ["bulk", "slab", "cluster", "molecule"])
+def test_direct_float64_matches_orb_calculator(direct64, name: str) -> None:
+    """A direct model's forces and stress are its heads' outputs: the mean force removed,
+    and for the cluster (no cell) the net torque; ZBL's own terms added."""
+    atoms = orb_systems()[name]
+    ref = orb_results(direct64, atoms)
+    model = Orb(direct64)
+    assert model.predicts_forces and not Orb(tiny_orb(steps=1)).predicts_forces
+    calc = ShardedCalculator(model)
+    got = ase_results(calc, atoms)
+    errors = relative_errors(got, ref)
+    assert all(err <= RTOL64 for err in errors.values()), errors
+    assert abs(got["energies"].sum() - ref["energy"]) <= RTOL64 * abs(ref["energy"])
+    # a predicted stress has no per-atom split
+    assert "stresses" not in calc.implemented_properties
+    with pytest.raises(PropertyNotImplementedError, match="stresses"):
+        calc.get_property("stresses", atoms)
 
 
 @pytest.mark.parametrize("name", ["bulk", "cluster"])
@@ -256,7 +306,22 @@ def test_command_line_finds_orb_files_and_names(tmp_path, monkeypatch, capsys) -
     assert resolve_model(str(path)).kind == "nequip"
     named = resolve_model("orb:orb-v3-conservative-inf-omat")
     assert (named.kind, named.source) == ("orb", "orb-v3-conservative-inf-omat")
-    with pytest.raises(CLIError, match="conservative Orb-v3 models"):
-        resolve_model("orb:orb-v3-direct-inf-omat")
+    named = resolve_model("orb:orb-v3-direct-20-omat")
+    assert (named.kind, named.source) == ("orb", "orb-v3-direct-20-omat")
+    with pytest.raises(CLIError, match="nor one of orb's Orb-v3 models"):
+        resolve_model("orb:orb-v3-direct-omol")
     assert main(["info", "--models"]) == 0
     assert "orb            orb:FILE.ckpt" in capsys.readouterr().out
+
+    # a direct model's checkpoint, by its file name
+    def direct_builder(weights_path, device, precision, compile):
+        return pretrained.load_model(
+            tiny_direct(), weights_path, device, precision=precision, compile=compile
+        )
+
+    monkeypatch.setitem(pretrained.ORB_PRETRAINED_MODELS, "orb-v3-direct-tiny", direct_builder)
+    path = tmp_path / "orb-v3-direct-tiny-20260101.ckpt"
+    torch.save(tiny_direct(seed=4).state_dict(), path)
+    assert build_model(resolve_model(f"orb:{path}"), None).predicts_forces
+    assert main(["info", "--model", f"orb:{path}"]) == 0
+    assert "forces and stress predicted" in capsys.readouterr().out

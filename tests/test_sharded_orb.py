@@ -25,7 +25,7 @@ from sharded import (  # noqa: E402
     serial_comm,
 )
 from sync_count import rank_blocks  # noqa: E402
-from test_orb import RTOL64, orb_results, orb_systems, tiny_orb  # noqa: E402
+from test_orb import RTOL64, orb_results, orb_systems, tiny_direct, tiny_orb  # noqa: E402
 
 from ase_shard import ShardedCalculator  # noqa: E402
 from ase_shard.block import RESULT_COLUMNS  # noqa: E402
@@ -50,6 +50,12 @@ def capped64():
     return tiny_orb(seed=1, cap=6, steps=1, radius=3.5).double()
 
 
+@pytest.fixture(scope="module")
+def direct64():
+    """A direct model: forces and stress from its heads, not the energy's gradient."""
+    return tiny_direct(steps=1, radius=3.5).double()
+
+
 @pytest.mark.parametrize("name", ["bulk", "slab", "cluster", "molecule"])
 def test_tiny_float64(tiny64, name: str) -> None:
     """ORBCalculator's results, and the one-rank adapter's (per-atom energies too)."""
@@ -58,6 +64,21 @@ def test_tiny_float64(tiny64, name: str) -> None:
     serial = ShardedCalculator(Orb(tiny64), comm=serial_comm())
     one = on_root(lambda: ase_results(serial, atoms))
     got = ase_results(ShardedCalculator(Orb(tiny64)), atoms)
+    errors = relative_errors(got, ref)
+    assert all(err <= RTOL64 for err in errors.values()), errors
+    assert_close_to(got, one, RTOL_RANKS)
+    assert_identical_on_all_ranks(got)
+
+
+@pytest.mark.parametrize("name", ["bulk", "slab", "cluster", "molecule"])
+def test_direct_float64(direct64, name: str) -> None:
+    """A direct model: the mean force (and for the cluster, without a cell, the net
+    torque) removed over every rank's atoms, its stress read out of all of them."""
+    atoms = orb_systems()[name]
+    ref = on_root(lambda: orb_results(direct64, atoms))
+    serial = ShardedCalculator(Orb(direct64), comm=serial_comm())
+    one = on_root(lambda: ase_results(serial, atoms))
+    got = ase_results(ShardedCalculator(Orb(direct64)), atoms)
     errors = relative_errors(got, ref)
     assert all(err <= RTOL64 for err in errors.values()), errors
     assert_close_to(got, one, RTOL_RANKS)
@@ -75,12 +96,14 @@ def test_capped_float64(capped64, partition: str) -> None:
     assert_identical_on_all_ranks(got)
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["conservative", "direct"])
 @pytest.mark.parametrize("name", ["one", "two"])
-def test_tiny_with_ranks_that_own_nothing(tiny64, name: str) -> None:
+def test_tiny_with_ranks_that_own_nothing(tiny64, direct64, name: str, direct: bool) -> None:
     """Fewer atoms than ranks: the empty ranks join every system sum; orb's results."""
     atoms = fewer_atoms_than_ranks()[name]
-    ref = on_root(lambda: orb_results(tiny64, atoms))
-    calc = ShardedCalculator(Orb(tiny64))
+    network = direct64 if direct else tiny64
+    ref = on_root(lambda: orb_results(network, atoms))
+    calc = ShardedCalculator(Orb(network))
     got = ase_results(calc, atoms)
     assert_ranks_own_nothing_iff_fewer_atoms(calc, len(atoms))
     assert_close_to(got, ref, RTOL64)
@@ -137,13 +160,14 @@ def split_step(model, atoms, n_ranks: int) -> np.ndarray:
 
 
 @pytest.mark.rank_independent
-def test_split_full_halo_blocks_sum_to_one_block(capped64) -> None:
+@pytest.mark.parametrize("direct", [False, True], ids=["conservative", "direct"])
+def test_split_full_halo_blocks_sum_to_one_block(capped64, direct: bool) -> None:
     """Three ranks' full-halo blocks in one process add up to one rank's, on periodic
     Cu/Ag with a binding neighbour cap: ghosts that are other images of one atom."""
     atoms = bulk("Cu", "fcc", a=3.7, cubic=True).repeat((2, 2, 1))
     atoms.numbers[::5] = 47
     atoms.rattle(0.1, seed=1)
-    model = Orb(capped64)
+    model = Orb(tiny_direct(seed=1, cap=6, steps=1, radius=3.5).double() if direct else capped64)
     whole, split = split_step(model, atoms, 1), split_step(model, atoms, 3)
     for rows in (slice(0, 1), slice(1, 4), slice(4, None)):  # energies, forces, virials
         assert rel_err(split[:, rows], whole[:, rows]) <= RTOL_RANKS
