@@ -1,9 +1,10 @@
 """One process: ShardedCalculator(Orb) against ORBCalculator, step by step.
 
-Orb-v3 conservative (orb's own builder at full size, random weights, float32) on a
-rattled 108-atom Cu cell; run from the repository root::
+Orb-v3 conservative, or with ``--direct`` Orb-v3 direct (orb's own builders at full
+size, random weights, float32) on a rattled 108-atom Cu cell; run from the repository
+root::
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/orb_speed.py
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/orb_speed.py [--direct]
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ import numpy as np
 import torch
 from ase.build import bulk
 from orb_models.forcefield.atomic_system import SystemConfig
-from orb_models.forcefield.pretrained import orb_v3_conservative_architecture
+from orb_models.forcefield.pretrained import (
+    orb_v3_conservative_architecture,
+    orb_v3_direct_architecture,
+)
 
 from ase_shard import ShardedCalculator
 from ase_shard.models import Orb
@@ -24,10 +28,11 @@ sys.path.insert(0, "tests")
 from test_orb import orb_calculator  # noqa: E402
 
 
-def main(steps: int = 5) -> None:
+def main(steps: int = 5, direct: bool = False) -> None:
     torch.manual_seed(0)
     config = SystemConfig(radius=6.0, max_num_neighbors=120)
-    net = orb_v3_conservative_architecture(system_config=config, device="cpu").eval()
+    build = orb_v3_direct_architecture if direct else orb_v3_conservative_architecture
+    net = build(system_config=config, device="cpu").eval()
     atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(3)
     atoms.rattle(0.05, seed=0)
     calcs = {"orb": orb_calculator(net), "sharded": ShardedCalculator(Orb(net))}
@@ -51,4 +56,4 @@ def main(steps: int = 5) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(direct="--direct" in sys.argv[1:])
