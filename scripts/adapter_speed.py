@@ -1,14 +1,16 @@
 """Time each ML adapter on one rank against the package's own ASE calculator.
 
 For every family whose package is installed in the running environment
-(SevenNet, NequIP and Allegro in ``.venv``; MACE in ``.venv-mace``), the script
-builds a random-weight float64 model of a realistic size with the builders of
-the tests (``tests/test_<family>.py``), and a periodic fcc alloy of a few
-hundred atoms (and, with ``--systems bulk cluster``, a non-periodic
-icosahedral cluster). It then evaluates the same sequence of geometries with
+(SevenNet, NequIP, Allegro, MatterSim, CHGNet, UMA and Orb in ``.venv``; MACE in
+``.venv-mace``), the script builds a float64 model of a realistic size (random
+weights, with the builders of the tests, ``tests/test_<family>.py``; CHGNet's
+shipped 0.3.0 weights), and a periodic fcc alloy of a few hundred atoms (and, with
+``--systems bulk cluster``, a non-periodic icosahedral cluster). It then evaluates
+the same sequence of geometries with
 
 - ``own``: the package's calculator (``SevenNetCalculator``, ``MACECalculator``,
-  nequip's ``NequIPCalculator``), and
+  nequip's ``NequIPCalculator``, ``MatterSimCalculator``, ``CHGNetCalculator``,
+  ``FAIRChemCalculator``, ``ORBCalculator``), and
 - ``sharded``: ``ShardedCalculator(adapter, comm=MPI.COMM_SELF)`` (its default
   halo, or ``--halo``),
 
@@ -75,6 +77,9 @@ REQUIRES = {
     "allegro": ("nequip", "allegro"),
     "mace": ("mace",),
     "mattersim": ("mattersim",),
+    "chgnet": ("chgnet",),
+    "uma": ("fairchem.core",),
+    "orb": ("orb_models",),
 }
 ELEMENTS = {
     "sevennet": (29, 47, 79),
@@ -82,6 +87,9 @@ ELEMENTS = {
     "allegro": (29, 47, 79),
     "mace": (29, 13, 47),
     "mattersim": (29, 47, 79),
+    "chgnet": (29, 47, 79),
+    "uma": (29, 47, 79),
+    "orb": (29, 47, 79),
 }
 
 
@@ -164,12 +172,65 @@ def _mattersim(workdir: Path) -> Subjects:
     )
 
 
+def _chgnet(workdir: Path) -> Subjects:
+    from chgnet.model import CHGNet as ChgnetModel
+    from test_chgnet import reference_calculator
+
+    from ase_shard.models.chgnet import CHGNet
+
+    # the pretrained 0.3.0 shipped in chgnet's wheel, in float64
+    network = ChgnetModel.load(model_name="0.3.0", use_device="cpu", verbose=False).double()
+    return Subjects(
+        "CHGNet 0.3.0 (shipped weights), float64, atom graph 6 Å, bond graph 3 Å",
+        reference_calculator(network),
+        CHGNet(network),
+    )
+
+
+def _uma(workdir: Path) -> Subjects:
+    from fairchem.core.calculate.ase_calculator import FAIRChemCalculator
+    from test_uma import predict_unit, write_tiny_uma
+
+    from ase_shard.models.uma import UMA
+
+    # UMA-S's sizes (docs/models.md), random weights, float64, the omat task
+    sizes = {"sphere_channels": 128, "hidden_channels": 128, "edge_channels": 128}
+    sizes |= {"num_distance_basis": 64, "num_layers": 4, "cutoff": 6.0, "num_experts": 32}
+    path = write_tiny_uma(str(workdir / "uma.pt"), **sizes)
+    return Subjects(
+        "UMA (eSCN-MD, MoLE), UMA-S sizes: 4 layers, 128 channels, 32 experts, cutoff 6 Å",
+        FAIRChemCalculator(predict_unit(path), task_name="omat"),
+        UMA(path, task="omat", dtype=torch.float64),
+    )
+
+
+def _orb(workdir: Path) -> Subjects:
+    from orb_models.forcefield.atomic_system import SystemConfig
+    from orb_models.forcefield.pretrained import orb_v3_conservative_architecture
+    from test_orb import orb_calculator
+
+    from ase_shard.models.orb import Orb
+
+    # Orb-v3 conservative at its pretrained size, random weights, float64
+    torch.manual_seed(0)
+    config = SystemConfig(radius=6.0, max_num_neighbors=120)
+    network = orb_v3_conservative_architecture(system_config=config, device="cpu").double()
+    return Subjects(
+        "Orb-v3 conservative, pretrained sizes: 5 steps, 256 latent, radius 6 Å, cap 120",
+        orb_calculator(network),
+        Orb(network),
+    )
+
+
 FAMILIES: dict[str, Callable[[Path], Subjects]] = {
     "sevennet": _sevennet,
     "nequip": partial(_nequip_family, "nequip"),
     "allegro": partial(_nequip_family, "allegro"),
     "mace": _mace,
     "mattersim": _mattersim,
+    "chgnet": _chgnet,
+    "uma": _uma,
+    "orb": _orb,
 }
 
 

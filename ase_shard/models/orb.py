@@ -38,7 +38,8 @@ Three things about Orb-v3 shape the adapter:
   orb's layers twice, summed into its sender only and (as the reverse of one
   of the receiver's own edges) into its receiver only (:meth:`Orb._features`):
   on several ranks a ghost's edge may end on a far image of an owned atom,
-  folded onto the owned node. And orb keeps, per
+  folded onto the owned node (a rank without ghosts, as one rank, takes each
+  edge once into both ends, as orb does). And orb keeps, per
   centre, only its ``max_num_neighbors`` nearest neighbours within the radius
   (120 for the ``inf`` models, which in practice keeps every one, 20 for the
   ``20`` models, which drops many), so whether an edge into a node exists
@@ -374,25 +375,34 @@ class Orb(torch.nn.Module):
         from the owned atom itself, folded onto the owned node.) The copies
         reach orb's interaction layers as edges between the nodes and shadow
         rows ``n .. 2n - 1`` holding the same features, whose own sums are
-        thrown away after each layer.
+        thrown away after each layer. A graph without ghosts (one rank: periodic
+        images fold into edge shifts) has every node at its own atom, so there
+        each of orb's edges enters once, summed into both ends, as in orb's own
+        layers: half the edge work.
         """
         from orb_models.forcefield.nn_util import get_cutoff
 
         gns = self.model.model
         n_nodes = graph.n_atoms
         centre, neighbour = graph.edge_index
-        senders = torch.cat([centre[sent], neighbour[received] + n_nodes])
-        receivers = torch.cat([neighbour[sent] + n_nodes, centre[received]])
         edge_vectors = graph.edge_vectors
-        vectors = torch.cat(
-            [edge_vectors.index_select(0, sent), -edge_vectors.index_select(0, received)]
-        )
+        shadows = graph.n_owned < n_nodes
+        if shadows:
+            senders = torch.cat([centre[sent], neighbour[received] + n_nodes])
+            receivers = torch.cat([neighbour[sent] + n_nodes, centre[received]])
+            vectors = torch.cat(
+                [edge_vectors.index_select(0, sent), -edge_vectors.index_select(0, received)]
+            )
+        else:
+            senders, receivers = centre[sent], neighbour[sent]
+            vectors = edge_vectors.index_select(0, sent)
         batch = self._batch(graph.numbers, senders, receivers, vectors, None)
         nodes, edges = gns._encoder(gns.featurize_nodes(batch), gns.featurize_edges(batch))
         cutoff = get_cutoff(vectors.norm(dim=-1))
         for layer in gns.gnn_stacks:
-            both, edges = layer(torch.cat([nodes, nodes]), edges, senders, receivers, cutoff)
-            nodes = both[:n_nodes]
+            rows = torch.cat([nodes, nodes]) if shadows else nodes
+            rows, edges = layer(rows, edges, senders, receivers, cutoff)
+            nodes = rows[:n_nodes]
         return nodes
 
     def _energies(self, graph: LocalGraph) -> torch.Tensor:
