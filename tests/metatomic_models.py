@@ -235,7 +235,7 @@ def tiny_metatomic(
 class PositionsModel(torch.nn.Module):
     """A model that computes its pair distances from ``System.positions`` and ``cell``
     (and the cell shifts), not from the neighbour list's vectors: a pair potential
-    over a full 3 Å list."""
+    over a full 3 Å list (energy ``exp(-r)`` to each atom of a pair)."""
 
     def __init__(self):
         super().__init__()
@@ -262,9 +262,16 @@ class PositionsModel(torch.nn.Module):
         atoms = torch.arange(len(system))
         if selected_atoms is not None:
             atoms = selected_atoms.values[:, 1].to(torch.int64)
+        if outputs["energy"].sample_kind == "atom":
+            values = energies[atoms].reshape(-1, 1)
+            pairs = torch.stack([0 * atoms, atoms], 1).to(torch.int32)
+            samples = Labels(["system", "atom"], pairs)
+        else:
+            values = energies[atoms].sum().reshape(1, 1)
+            samples = Labels(["system"], torch.tensor([[0]], dtype=torch.int32))
         block = TensorBlock(
-            values=energies[atoms].reshape(-1, 1),
-            samples=Labels(["system", "atom"], torch.stack([0 * atoms, atoms], 1).to(torch.int32)),
+            values=values,
+            samples=samples,
             components=[],
             properties=Labels(["energy"], torch.tensor([[0]])),
         )

@@ -3,7 +3,10 @@ ASE calculator (``metatomic_ase.MetatomicCalculator``) on the same exported mode
 
 The models are small random-weight message-passing networks exported with metatomic's
 own API (``tests/metatomic_models.py``) in float64: full and half neighbour lists, and
-two lists of different cutoffs. Results must agree to 1e-10 relative.
+two lists of different cutoffs, given the graph as it is or unfolded into periodic
+images; and metatrain's PET (PET-MAD's architecture, ``tests/pet_models.py``), which
+computes from positions, exported with ``PET.export``. Results must agree to 1e-10
+relative.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from ase import Atoms  # noqa: E402
 from ase.build import bulk  # noqa: E402
 from metatomic_models import PositionsModel, tiny_metatomic  # noqa: E402
 from oracles import ase_results, relative_errors  # noqa: E402
+from pet_models import REACH, tiny_pet  # noqa: E402
 from systems import ag_slab, au_cluster  # noqa: E402
 
 from ase_shard import ShardedCalculator  # noqa: E402
@@ -95,6 +99,7 @@ def test_adapter_attributes(models) -> None:
     assert full.cutoff == 3.0 and full.num_layers == 2
     assert tuple(full.atomic_types) == (29, 47, 79)
     assert full.energy_output == "energy" and full.dtype == torch.float64
+    assert not full.unfold  # it computes from the neighbour-list vectors
     assert not full.training and not full.model.training
     # the halo of the largest cutoff, as many times as the shortest list's hops need
     mixed = Metatomic(models["mixed"])
@@ -102,12 +107,15 @@ def test_adapter_attributes(models) -> None:
     assert mixed.cutoff * mixed.num_layers >= mixed.interaction_range == 5.4
 
 
+@pytest.mark.parametrize("unfold", [False, True])
 @pytest.mark.parametrize("system", ["bulk", "triclinic", "slab", "molecule"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_matches_metatomic_calculator(models, name: str, system: str) -> None:
+def test_matches_metatomic_calculator(models, name: str, system: str, unfold: bool) -> None:
+    """The graph as it is, and unfolded into periodic images (what a model that reads
+    positions gets): one list or two, full or half."""
     atoms = tiny_systems()[system]
     ref = reference_results(models[name], atoms)
-    got = ase_results(ShardedCalculator(Metatomic(models[name])), atoms)
+    got = ase_results(ShardedCalculator(Metatomic(models[name], unfold=unfold)), atoms)
     assert set(got) == set(ref)
     errors = relative_errors(got, ref)
     assert max(errors.values()) <= RTOL64, errors
@@ -236,11 +244,69 @@ def test_dtype_is_the_declared_one(models) -> None:
     assert calc.dtype == torch.float64
 
 
-def test_model_reading_positions_is_refused() -> None:
-    """The System's positions are unknown (NaN): a model that computes from them would
-    not differentiate through the edge vectors, and says so."""
+def test_model_reading_positions_is_unfolded() -> None:
+    """A model that computes its vectors from positions, the cell and the cell shifts is
+    found out (NaN positions give NaN energies) and gets the graph unfolded into
+    periodic images: metatomic's results. Forced onto the graph as it is (NaN
+    positions, no gradient through the edge vectors), it is refused, saying why."""
+    model = PositionsModel.exported()
+    adapter = Metatomic(model)
+    assert adapter.unfold
+    for system in ("bulk", "slab"):
+        atoms = tiny_systems()[system]
+        errors = relative_errors(
+            ase_results(ShardedCalculator(adapter), atoms), reference_results(model, atoms)
+        )
+        assert max(errors.values()) <= RTOL64, errors
     atoms = tiny_systems()["bulk"]
-    calc = ShardedCalculator(Metatomic(PositionsModel.exported()))
-    atoms.calc = calc
-    with pytest.raises(RuntimeError, match="do not depend on the neighbour-list vectors"):
+    atoms.calc = ShardedCalculator(Metatomic(model, unfold=False))
+    with pytest.raises(RuntimeError, match="unfold=True"):
         atoms.get_potential_energy()
+
+
+# PET, metatrain's architecture (PET-MAD's): residual and feedforward featurizers
+PETS = ("residual", "feedforward")
+
+
+@pytest.fixture(scope="module")
+def pets():
+    return {featurizer: tiny_pet(featurizer) for featurizer in PETS}
+
+
+def pet_adapter(model, featurizer: str) -> Metatomic:
+    """The adapter with the halo of PET's real reach (``pet_models.REACH``)."""
+    return Metatomic(model, interaction_range=REACH[featurizer])
+
+
+@pytest.mark.parametrize("system", ["bulk", "triclinic", "slab", "molecule"])
+@pytest.mark.parametrize("featurizer", PETS)
+def test_pet_matches_metatomic_calculator(pets, featurizer: str, system: str) -> None:
+    atoms = tiny_systems()[system]
+    adapter = pet_adapter(pets[featurizer], featurizer)
+    assert adapter.unfold  # PET computes its vectors from the positions
+    assert adapter.num_layers == round(REACH[featurizer] / adapter.cutoff)
+    ref = reference_results(pets[featurizer], atoms)
+    got = ase_results(ShardedCalculator(adapter), atoms)
+    assert set(got) == set(ref)
+    errors = relative_errors(got, ref)
+    assert max(errors.values()) <= RTOL64, errors
+    assert np.abs(ref["forces"]).max() > 1e-2
+    assert system == "molecule" or np.abs(ref["stress"][3:]).max() > 1e-4
+
+
+def test_pet_feedforward_reaches_past_its_interaction_range(pets) -> None:
+    """metatrain's PET with the feedforward featurizer declares ``num_gnn_layers *
+    cutoff`` but depends on atoms one cutoff further: with the halo it declares the
+    results are off (so REACH is needed, and this test tells when metatrain changes);
+    with the residual featurizer the declared range is the reach."""
+    atoms = tiny_systems()["triclinic"]
+    for featurizer, off in (("feedforward", True), ("residual", False)):
+        model = pets[featurizer]
+        declared = Metatomic(model)
+        assert declared.interaction_range == REACH["residual"]
+        errors = relative_errors(
+            ase_results(ShardedCalculator(declared), atoms), reference_results(model, atoms)
+        )
+        assert (max(errors.values()) > 1e-8) == off, (featurizer, errors)
+    with pytest.raises(ValueError, match="shorter than"):
+        Metatomic(pets["residual"], interaction_range=REACH["residual"] - 0.1)

@@ -2,7 +2,9 @@
 
 Plain pytest runs one rank; ``mpirun -n P python -m pytest --with-mpi`` runs P. Every
 rank builds the same models (fixed seeds); rank 0 computes the references
-(``metatomic_ase.MetatomicCalculator``) and broadcasts them.
+(``metatomic_ase.MetatomicCalculator``) and broadcasts them. The PET models
+(``tests/pet_models.py``) too: metatrain builds them on every rank, unscripted (a saved
+PET loaded from its file spends seconds in TorchScript's first calls).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ pytest.importorskip("metatomic_ase")
 
 from metatomic_models import tiny_metatomic  # noqa: E402
 from oracles import ase_results, rel_err, relative_errors  # noqa: E402
+from pet_models import REACH, tiny_pet  # noqa: E402
 from sharded import (  # noqa: E402
     COMM,
     assert_close_to,
@@ -23,7 +26,7 @@ from sharded import (  # noqa: E402
     on_root,
 )
 from sync_count import split_reuse_step  # noqa: E402
-from test_metatomic import MODELS, RTOL64, reference_results, tiny_systems  # noqa: E402
+from test_metatomic import MODELS, PETS, RTOL64, reference_results, tiny_systems  # noqa: E402
 
 from ase_shard import ShardedCalculator  # noqa: E402
 from ase_shard.models.metatomic import Metatomic  # noqa: E402
@@ -114,14 +117,75 @@ def test_half_list_with_unpaired_edges_is_refused(models) -> None:
 
 
 @pytest.mark.rank_independent
-@pytest.mark.parametrize("name", ["full", "half1", "mixed"])
-def test_split_blocks_sum_to_one_block(models, name) -> None:
+@pytest.mark.parametrize(
+    ("name", "unfold"),
+    [("full", False), ("half1", False), ("mixed", False), ("half", True), ("mixed_half", True)],
+)
+def test_split_blocks_sum_to_one_block(models, name, unfold) -> None:
     """Three ranks' full-halo blocks, built in one process (so plain pytest sees ghosts
-    and pairs listed one way), add up to one rank's block: energies, forces, virials."""
-    model = Metatomic(models[name])
-    atoms = tiny_systems()["slab"]
+    and pairs listed one way), add up to one rank's block: energies, forces, virials
+    (unfolded into images: their sum; the split between atoms follows the paths that
+    place the images). Unfolded, a half list over several layers is exact too (the
+    images' pairs are all listed both ways)."""
+    model = Metatomic(models[name], unfold=unfold)
+    atoms = tiny_systems()["triclinic" if unfold else "slab"]
     whole, _ = split_reuse_step(model, atoms, 1)
     split, steps = split_reuse_step(model, atoms, 3)
     assert all(block.n_nodes > block.n_owned for block, _ in steps)
-    for rows in (slice(0, 1), slice(1, 4), slice(4, None)):  # energies, forces, virials
+    for rows in (slice(0, 1), slice(1, 4)):  # energies, forces
         assert rel_err(split[:, rows], whole[:, rows]) <= RTOL64
+    virials = slice(4, None)
+    if unfold:
+        assert rel_err(split[:, virials].sum(0), whole[:, virials].sum(0)) <= RTOL64
+    else:
+        assert rel_err(split[:, virials], whole[:, virials]) <= RTOL64
+
+
+@pytest.fixture(scope="module")
+def pets():
+    """Each rank's adapters of the same PETs (fixed seeds), with the halo of their real
+    reach."""
+    return {
+        featurizer: Metatomic(tiny_pet(featurizer), interaction_range=REACH[featurizer])
+        for featurizer in PETS
+    }
+
+
+@pytest.fixture(scope="module")
+def pet_references(pets):
+    """metatomic's calculator on the PETs: ``tiny_systems()``, and the fewer-atoms
+    systems for the feedforward one."""
+
+    def compute() -> dict:
+        refs = {}
+        for featurizer, adapter in pets.items():
+            systems = dict(tiny_systems())
+            if featurizer == "feedforward":
+                systems.update(fewer_atoms_than_ranks())
+            for system, atoms in systems.items():
+                refs[featurizer, system] = reference_results(adapter.model, atoms)
+        return refs
+
+    return on_root(compute)
+
+
+SYSTEMS = ("bulk", "triclinic", "slab", "molecule")
+# both featurizers on the four systems, the feedforward one with fewer atoms than ranks
+PET_CASES = [
+    *((featurizer, system) for featurizer in PETS for system in SYSTEMS),
+    ("feedforward", "one"),
+    ("feedforward", "two"),
+]
+
+
+@pytest.mark.parametrize(("featurizer", "system"), PET_CASES)
+def test_pet_matches_metatomic_calculator(pets, pet_references, featurizer, system):
+    """PET unfolded into periodic images on each rank: metatomic's results; with fewer
+    atoms than ranks, the empty ranks own nothing."""
+    atoms = {**tiny_systems(), **fewer_atoms_than_ranks()}[system]
+    assert pets[featurizer].unfold
+    calc = ShardedCalculator(pets[featurizer])
+    got = ase_results(calc, atoms)
+    assert_ranks_own_nothing_iff_fewer_atoms(calc, len(atoms))
+    assert_close_to(got, pet_references[featurizer, system], RTOL64)
+    assert_identical_on_all_ranks(got)

@@ -16,12 +16,16 @@ pair), so the calculator's gradient with respect to the edge vectors gives force
 stress, as the gradient with respect to positions and strain gives them in
 ``metatomic_ase.MetatomicCalculator``.
 
-The ``System``'s positions are not known here (a ``LocalGraph`` carries only edge
-vectors): they are NaN, the cell is zero and not periodic, and the pairs' cell shifts
-are labels that tell the pairs apart, not images. Models that compute from the
-neighbour-list vectors (the usual metatomic models, e.g. metatrain's) are exact; a
-model that reads ``System.positions`` or ``System.cell`` gets NaN and the calculator
-stops on the non-finite result. See docs/models.md, "metatomic".
+A ``LocalGraph`` carries edge vectors, not positions, a cell or image shifts. For a
+model that computes from the neighbour-list vectors the ``System``'s positions are NaN,
+the cell is zero and not periodic, and the pairs' cell shifts are labels that tell the
+pairs apart, not images. A model that computes its vectors from ``System.positions``
+(and the cell shifts), as metatrain's PET (PET-MAD's architecture) does, gets instead
+the graph unfolded into explicit periodic images, as metatomic's LAMMPS interface gives
+it ghosts: positions are sums of edge vectors along paths from one atom, one node per
+image within ``num_layers`` hops of an owned atom, no cell, no shifts; the adapter
+finds which kind a model is by evaluating it once on two atoms with NaN positions
+(``unfold=`` overrides). See docs/models.md, "metatomic".
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from ase_shard.graph import LocalGraph
@@ -40,6 +45,10 @@ _PAIR_SAMPLES = ["first_atom", "second_atom", "cell_shift_a", "cell_shift_b", "c
 # relative slack when counting how many lists' cutoffs the interaction range spans
 _RANGE_SLACK = 1e-9
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
+# Å: two images placed by sums of edge vectors along different paths are the same atom
+# image when closer than this (the sums differ by rounding, ~1e-12 Å); images of
+# distinct atoms are at least 1e-4 Å apart (ShardedCalculator refuses closer atoms)
+_SAME_IMAGE = 1e-6
 
 
 def _metatomic() -> Any:
@@ -86,6 +95,20 @@ class _Pairs(NamedTuple):
     unpaired: torch.Tensor  # (E,) bool: reverse not listed, both ends' edges listed
 
 
+def _pair_block(samples: torch.Tensor, vectors: torch.Tensor) -> Any:
+    """A metatomic neighbour list: ``(P, 5)`` int32 samples (first, second, shift) and
+    ``(P, 3)`` vectors."""
+    from metatensor.torch import Labels, TensorBlock
+
+    device = vectors.device
+    return TensorBlock(
+        values=vectors.reshape(-1, 3, 1),
+        samples=Labels(_PAIR_SAMPLES, samples.to(device), assume_unique=True),
+        components=[Labels(["xyz"], torch.arange(3, device=device).reshape(3, 1))],
+        properties=Labels(["distance"], torch.zeros((1, 1), dtype=torch.int32, device=device)),
+    )
+
+
 def _lexicographically_positive(vectors: torch.Tensor) -> torch.Tensor:
     """``(E,)`` bool: whether each vector's first non-zero component is positive.
 
@@ -94,6 +117,55 @@ def _lexicographically_positive(vectors: torch.Tensor) -> torch.Tensor:
     """
     x, y, z = vectors.unbind(dim=1)
     return (x > 0) | ((x == 0) & ((y > 0) | ((y == 0) & (z > 0))))
+
+
+class _Images(NamedTuple):
+    """The graph unfolded into explicit periodic images (see ``_unfold``)."""
+
+    nodes: torch.Tensor  # (M,) int64: the graph node of each image, owned nodes first
+    positions: torch.Tensor  # (M, 3): sums of edge vectors, differentiable
+    first: torch.Tensor  # (P,) int64 pairs of images, both directions of each
+    second: torch.Tensor  # (P,) int64
+
+
+def _frame(
+    centre: np.ndarray, neighbour: np.ndarray, n: int, n_owned: int
+) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """A breadth-first spanning tree of each connected part of the graph holding an owned
+    node, from its lowest node (owned: owned nodes come first), over the edges taken
+    either way.
+
+    Returns the tree's levels (node indices, level 0 the roots), each node's parent
+    edge as an index into ``concatenate([edges, reversed edges])`` (-1 at the roots
+    and the nodes not reached) and each node's part (-1: not reached).
+    """
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+
+    ones = np.ones(centre.shape[0], dtype=np.int8)
+    _, part = connected_components(
+        coo_matrix((ones, (centre, neighbour)), shape=(n, n)), directed=True, connection="weak"
+    )
+    lowest = np.full(part.max(initial=-1) + 1, n)
+    np.minimum.at(lowest, part, np.arange(n))
+    roots = lowest[lowest < n_owned]
+    source = np.concatenate([centre, neighbour])
+    target = np.concatenate([neighbour, centre])
+    parent = np.full(n, -1)
+    reached = np.zeros(n, dtype=bool)
+    reached[roots] = True
+    levels = [roots]
+    while True:
+        frontier = np.zeros(n, dtype=bool)
+        frontier[levels[-1]] = True
+        step = np.flatnonzero(frontier[source] & ~reached[target])
+        if not step.size:
+            break
+        new, first = np.unique(target[step], return_index=True)
+        parent[new] = step[first]
+        reached[new] = True
+        levels.append(new)
+    return levels, parent, np.where(reached, part, -1)
 
 
 class Metatomic(torch.nn.Module):
@@ -116,6 +188,19 @@ class Metatomic(torch.nn.Module):
     check_consistency : bool
         Passed to the model: metatomic's checks of inputs and outputs at every
         evaluation (slow; for debugging a model).
+    unfold : bool, optional
+        Whether the model gets the graph unfolded into explicit periodic images with
+        positions (``True``: for models that compute from ``System.positions``, as
+        metatrain's PET) or one node per graph node with NaN positions and the edge
+        vectors as neighbour-list values (``False``: for models that compute from
+        those). By default the model is evaluated once on two atoms with NaN
+        positions, and unfolded when its energy is not finite or differs from the one
+        with real positions.
+    interaction_range : float, optional
+        Å: the model's reach when it is longer than the one it declares
+        (``capabilities().interaction_range``; shorter is refused). metatrain's PET with
+        ``featurizer_type="feedforward"`` reaches one cutoff further than it declares
+        (docs/models.md, "metatomic").
 
     Attributes
     ----------
@@ -134,6 +219,8 @@ class Metatomic(torch.nn.Module):
         The model's energy outputs (variants), ``energy_output`` among them.
     model : AtomisticModel
         The wrapped model.
+    unfold : bool
+        Whether the model gets the graph unfolded into periodic images (see above).
 
     The model runs in the dtype it declares (``capabilities().dtype``), which
     ``ShardedCalculator`` uses by default; asking for another (``dtype=``) raises
@@ -151,6 +238,8 @@ class Metatomic(torch.nn.Module):
         variant: str | None = None,
         extensions_directory: str | os.PathLike | None = None,
         check_consistency: bool = False,
+        unfold: bool | None = None,
+        interaction_range: float | None = None,
     ) -> None:
         super().__init__()
         mta = _metatomic()
@@ -205,6 +294,13 @@ class Metatomic(torch.nn.Module):
             1.0 if not length_unit else mta.unit_conversion_factor(length_unit, "angstrom")
         )
         self.interaction_range = float(capabilities.interaction_range) * to_angstrom
+        if interaction_range is not None:
+            if not float(interaction_range) >= self.interaction_range:
+                raise ValueError(
+                    f"interaction_range={interaction_range!r} Å is shorter than the "
+                    f"{self.interaction_range:g} Å the model declares"
+                )
+            self.interaction_range = float(interaction_range)
         if not math.isfinite(self.interaction_range):
             raise ValueError(
                 "the model's interaction_range is infinite (long-range terms): "
@@ -215,6 +311,7 @@ class Metatomic(torch.nn.Module):
         self.atomic_types: Sequence[int] = tuple(int(z) for z in capabilities.atomic_types)
         self._length_unit = "angstrom"
         self.eval()
+        self.unfold = self._reads_positions() if unfold is None else bool(unfold)
 
     # -- placement -------------------------------------------------------------------
 
@@ -298,8 +395,6 @@ class Metatomic(torch.nn.Module):
         Full: every listed edge, and the reverse of every edge to a node whose
         own edges are not listed. Half: one edge per pair.
         """
-        from metatensor.torch import Labels, TensorBlock
-
         first, second, vectors, label = pairs.first, pairs.second, pairs.vectors, pairs.label
         if full:
             one_way = pairs.one_way.nonzero().squeeze(1)
@@ -329,16 +424,168 @@ class Metatomic(torch.nn.Module):
         # the pairs' cell shifts are labels telling pairs (and a pair's two
         # directions) apart, (k, 0, 0) and (-k, 0, 0); the System's cell is zero
         zeros = torch.zeros_like(label)
-        samples = torch.stack(
-            [first.to(torch.int32), second.to(torch.int32), label, zeros, zeros], dim=1
+        return _pair_block(
+            torch.stack([first.to(torch.int32), second.to(torch.int32), label, zeros, zeros], 1),
+            vectors,
         )
+
+    def _reads_positions(self) -> bool:
+        """Whether the model computes from ``System.positions``: its energies of two atoms
+        at half the shortest cutoff, with NaN positions, are not finite or differ from
+        those with the positions the neighbour lists' vectors imply."""
+        mta = _metatomic()
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        vector = torch.tensor([[0.5 * min(self._cutoffs), 0.0, 0.0]], dtype=self.dtype)
+        output = mta.ModelOutput(unit="eV", sample_kind="atom", explicit_gradients=[])
+        options = mta.ModelEvaluationOptions(
+            length_unit=self._length_unit, outputs={self.energy_output: output}
+        )
+        energies = []
+        for positions in (torch.full((2, 3), math.nan, dtype=self.dtype), vector.new_zeros(2, 3)):
+            positions[1:] += vector
+            system = mta.System(
+                types=torch.full((2,), int(self.atomic_types[0]), dtype=torch.int32),
+                positions=positions,
+                cell=torch.zeros((3, 3), dtype=self.dtype),
+                pbc=torch.zeros(3, dtype=torch.bool),
+            ).to(device)
+            for request, full in zip(self._requests, self._full, strict=True):
+                pairs = [[0, 1, 0, 0, 0], [1, 0, 0, 0, 0]] if full else [[0, 1, 0, 0, 0]]
+                vectors = torch.cat([vector, -vector])[: len(pairs)]
+                block = _pair_block(torch.tensor(pairs, dtype=torch.int32), vectors)
+                system.add_neighbor_list(request, block.to(device))
+            try:
+                with torch.no_grad():
+                    results = self.model([system], options, check_consistency=False)
+            except RuntimeError:  # e.g. a model checking that positions are finite
+                return True
+            energies.append(results[self.energy_output].block().values.cpu())
+        with_nan, energy = energies
+        return not (
+            bool(torch.isfinite(with_nan).all())
+            and torch.allclose(with_nan, energy, rtol=1e-6, atol=0.0)
+        )
+
+    def _unfold(self, graph: LocalGraph) -> _Images:
+        """The graph unfolded into explicit periodic images, as LAMMPS gives ghosts.
+
+        Each connected part of the graph holding an owned node is placed by a spanning
+        tree from its lowest node (a node's position: its parent's plus the edge
+        vector), so an owned node's position is one of its atom's periodic images.
+        From the owned nodes (images ``0 .. n_owned - 1``), ``num_layers`` times, each
+        image of the last level gets its node's edges: the neighbour at its position
+        plus the edge vector is an image already made (closer than ``_SAME_IMAGE``,
+        whatever node brought it: a foreign atom's image can be two ghost nodes) or a
+        new one. Images up to ``num_layers - 1`` hops from an owned one have all their
+        node's pairs; those ``num_layers`` hops out, the reverses of the pairs to them.
+
+        Positions are sums of ``graph.edge_vectors`` (differentiable): where the edge
+        vectors are those of atoms that move or a cell that is strained, the images'
+        positions are those atoms' translated, so the gradient with respect to the
+        edge vectors gives the model's forces and stress (not the split of the virial
+        between atoms).
+        """
+        from scipy.spatial import cKDTree
+
+        vectors = graph.edge_vectors
         device = vectors.device
-        return TensorBlock(
-            values=vectors.reshape(-1, 3, 1),
-            samples=Labels(_PAIR_SAMPLES, samples, assume_unique=True),
-            components=[Labels(["xyz"], torch.arange(3, device=device).reshape(3, 1))],
-            properties=Labels(["distance"], torch.zeros((1, 1), dtype=torch.int32, device=device)),
+        n, n_owned = graph.n_atoms, int(graph.n_owned)
+        centre, neighbour = (index.cpu().numpy() for index in graph.edge_index)
+        flat = vectors.detach().to(torch.float64).cpu().numpy()
+
+        def indices(values: np.ndarray) -> torch.Tensor:
+            return torch.as_tensor(values, dtype=torch.int64, device=device)
+
+        levels, parent, part = _frame(centre, neighbour, n, n_owned)
+        steps = torch.cat([vectors, -vectors])
+        source = np.concatenate([centre, neighbour])
+        slot = np.zeros(n, dtype=np.int64)
+        slot[levels[0]] = np.arange(len(levels[0]))
+        placed = [vectors.new_zeros((len(levels[0]), 3))]
+        for level in levels[1:]:
+            edge = parent[level]
+            step = placed[-1].index_select(0, indices(slot[source[edge]]))
+            placed.append(step + steps.index_select(0, indices(edge)))
+            slot[level] = np.arange(len(level))
+        row = np.zeros(n, dtype=np.int64)
+        row[np.concatenate(levels)] = np.arange(sum(len(level) for level in levels))
+        frame = torch.cat(placed)
+        frame_points = frame.detach().to(torch.float64).cpu().numpy()
+        # the parts apart, for finding images by position (each part has its own origin)
+        reach = np.abs(frame_points).max(initial=0.0) + (self.num_layers + 1) * self.cutoff
+        apart = np.array([2.0 * reach + 1.0, 0.0, 0.0])
+
+        owned = np.arange(n_owned)
+        nodes = [owned]
+        positions = [frame.index_select(0, indices(row[owned]))]
+        points = [frame_points[row[owned]] + part[owned, None] * apart]
+        by_centre = np.argsort(centre, kind="stable")
+        counts = np.bincount(centre, minlength=n)
+        starts = np.cumsum(counts) - counts
+        firsts, seconds = [], []
+        base, made = 0, n_owned  # the first image of this level, the images made
+        for level in range(self.num_layers):
+            here = nodes[level]
+            count = counts[here]
+            if np.any((count == 0) & (here >= n_owned)):
+                raise RuntimeError(
+                    f"a ghost {level} hops from an owned atom has no listed edges: the "
+                    "graph's halo is shallower than the metatomic model's num_layers"
+                )
+            centres = np.repeat(np.arange(len(here)), count)
+            within = np.arange(centres.shape[0]) - np.repeat(np.cumsum(count) - count, count)
+            edge = by_centre[np.repeat(starts[here], count) + within]
+            point = points[level][centres] + flat[edge]
+            distance, image = cKDTree(np.concatenate(points)).query(
+                point, distance_upper_bound=_SAME_IMAGE
+            )
+            image = np.where(np.isfinite(distance), image, -1)
+            new = np.flatnonzero(image < 0)
+            first = np.arange(new.shape[0])  # the first of the new ones at the same point
+            if new.shape[0] > 1:
+                pairs = cKDTree(point[new]).query_pairs(_SAME_IMAGE, output_type="ndarray")
+                np.minimum.at(first, pairs[:, 1], pairs[:, 0])
+            kept = np.flatnonzero(first == np.arange(new.shape[0]))
+            number = np.zeros(new.shape[0], dtype=np.int64)
+            number[kept] = np.arange(kept.shape[0])
+            image[new] = made + number[first]
+            kept = new[kept]
+            nodes.append(neighbour[edge[kept]])
+            points.append(point[kept])
+            step = positions[level].index_select(0, indices(centres[kept]))
+            positions.append(step + vectors.index_select(0, indices(edge[kept])))
+            firsts.append(base + centres)
+            seconds.append(image)
+            base, made = base + here.shape[0], made + kept.shape[0]
+        first, second = np.concatenate(firsts), np.concatenate(seconds)
+        # the reverse of each pair to an image whose own pairs are not listed
+        key, back = first * made + second, second * made + first
+        lone = ~np.isin(back, key)
+        first, second = (
+            np.concatenate([first, second[lone]]),
+            np.concatenate([second, first[lone]]),
         )
+        return _Images(
+            indices(np.concatenate(nodes)), torch.cat(positions), indices(first), indices(second)
+        )
+
+    def _image_neighbor_list(
+        self, images: _Images, vectors: torch.Tensor, cutoff: float, full: bool
+    ) -> Any:
+        """A neighbour list of the unfolded images' pairs shorter than ``cutoff`` (a half
+        list: from the lower image), with no cell shifts."""
+        first, second = images.first, images.second
+        keep = None if full else first < second
+        if cutoff < self.cutoff:
+            inside = torch.linalg.vector_norm(vectors.detach(), dim=1) < cutoff
+            keep = inside if keep is None else keep & inside
+        if keep is not None:
+            kept = keep.nonzero().squeeze(1)
+            first, second, vectors = first[kept], second[kept], vectors.index_select(0, kept)
+        zeros = torch.zeros_like(first)
+        samples = torch.stack([first, second, zeros, zeros, zeros], dim=1).to(torch.int32)
+        return _pair_block(samples, vectors)
 
     def forward(self, graph: LocalGraph) -> torch.Tensor:
         """Per-atom energies in eV, shape ``(n_atoms,)``: the owned atoms' from the
@@ -357,19 +604,35 @@ class Metatomic(torch.nn.Module):
         if n_owned == 0:
             return vectors.new_zeros(n)
         device = vectors.device
-        system = mta.System(
-            types=graph.numbers.to(torch.int32),
-            # unknown here: NaN, so that a model reading positions fails loudly
-            positions=torch.full((n, 3), math.nan, dtype=self.dtype, device=device),
-            cell=torch.zeros((3, 3), dtype=self.dtype, device=device),
-            pbc=torch.zeros(3, dtype=torch.bool, device=device),
-        )
-        pairs = self._pairs(graph)
+        cell = torch.zeros((3, 3), dtype=self.dtype, device=device)
+        pbc = torch.zeros(3, dtype=torch.bool, device=device)
         listed = 0
-        for request, cutoff, full in zip(self._requests, self._cutoffs, self._full, strict=True):
-            neighbors = self._neighbor_list(pairs, cutoff, full)
-            listed += neighbors.values.shape[0]
-            system.add_neighbor_list(request, neighbors)
+        if self.unfold:
+            images = self._unfold(graph)
+            types = graph.numbers.index_select(0, images.nodes).to(torch.int32)
+            positions = images.positions
+            system = mta.System(types=types, positions=positions, cell=cell, pbc=pbc)
+            pair_vectors = positions.index_select(0, images.second) - positions.index_select(
+                0, images.first
+            )
+            for request, cutoff, full in zip(
+                self._requests, self._cutoffs, self._full, strict=True
+            ):
+                neighbors = self._image_neighbor_list(images, pair_vectors, cutoff, full)
+                system.add_neighbor_list(request, neighbors)
+        else:
+            # unknown here: NaN, so that a model reading positions fails loudly
+            positions = torch.full((n, 3), math.nan, dtype=self.dtype, device=device)
+            system = mta.System(
+                types=graph.numbers.to(torch.int32), positions=positions, cell=cell, pbc=pbc
+            )
+            pairs = self._pairs(graph)
+            for request, cutoff, full in zip(
+                self._requests, self._cutoffs, self._full, strict=True
+            ):
+                neighbors = self._neighbor_list(pairs, cutoff, full)
+                listed += neighbors.values.shape[0]
+                system.add_neighbor_list(request, neighbors)
 
         owned = torch.arange(n_owned, dtype=torch.int32, device=device)
         selected = Labels(
@@ -394,8 +657,8 @@ class Metatomic(torch.nn.Module):
         ):
             raise RuntimeError(
                 "the metatomic model's energies do not depend on the neighbour-list vectors: "
-                "models that compute distances from System.positions and System.cell are "
-                "not supported by the metatomic adapter (docs/models.md)"
+                "a model that computes distances from System.positions needs the graph "
+                "unfolded into periodic images, Metatomic(..., unfold=True) (docs/models.md)"
             )
         atoms = block.samples.column("atom").to(torch.int64)
         return values.new_zeros(n).index_add(0, atoms, values)
