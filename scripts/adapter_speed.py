@@ -1,12 +1,12 @@
 """Time each ML adapter on one rank against the package's own ASE calculator.
 
 For every family whose package is installed in the running environment
-(SevenNet, NequIP, Allegro, MatterSim, CHGNet, UMA and Orb in ``.venv``; MACE in
-``.venv-mace``), the script builds a float64 model of a realistic size (random
-weights, with the builders of the tests, ``tests/test_<family>.py``; CHGNet's
-shipped 0.3.0 weights), and a periodic fcc alloy of a few hundred atoms (and, with
-``--systems bulk cluster``, a non-periodic icosahedral cluster). It then evaluates
-the same sequence of geometries with
+(SevenNet, NequIP, Allegro, MatterSim, CHGNet, UMA and Orb-v3, conservative and
+direct, in ``.venv``; MACE in ``.venv-mace``), the script builds a float64 model of
+a realistic size (random weights, with the builders of the tests,
+``tests/test_<family>.py``; CHGNet's shipped 0.3.0 weights), and a periodic fcc
+alloy of a few hundred atoms (and, with ``--systems bulk cluster``, a non-periodic
+icosahedral cluster). It then evaluates the same sequence of geometries with
 
 - ``own``: the package's calculator (``SevenNetCalculator``, ``MACECalculator``,
   nequip's ``NequIPCalculator``, ``MatterSimCalculator``, ``CHGNetCalculator``,
@@ -80,6 +80,7 @@ REQUIRES = {
     "chgnet": ("chgnet",),
     "uma": ("fairchem.core",),
     "orb": ("orb_models",),
+    "orb-direct": ("orb_models",),
 }
 ELEMENTS = {
     "sevennet": (29, 47, 79),
@@ -90,6 +91,7 @@ ELEMENTS = {
     "chgnet": (29, 47, 79),
     "uma": (29, 47, 79),
     "orb": (29, 47, 79),
+    "orb-direct": (29, 47, 79),
 }
 
 
@@ -204,19 +206,24 @@ def _uma(workdir: Path) -> Subjects:
     )
 
 
-def _orb(workdir: Path) -> Subjects:
+def _orb(direct: bool, workdir: Path) -> Subjects:
     from orb_models.forcefield.atomic_system import SystemConfig
-    from orb_models.forcefield.pretrained import orb_v3_conservative_architecture
+    from orb_models.forcefield.pretrained import (
+        orb_v3_conservative_architecture,
+        orb_v3_direct_architecture,
+    )
     from test_orb import orb_calculator
 
     from ase_shard.models.orb import Orb
 
-    # Orb-v3 conservative at its pretrained size, random weights, float64
+    # Orb-v3 at its pretrained size, random weights, float64
     torch.manual_seed(0)
     config = SystemConfig(radius=6.0, max_num_neighbors=120)
-    network = orb_v3_conservative_architecture(system_config=config, device="cpu").double()
+    build = orb_v3_direct_architecture if direct else orb_v3_conservative_architecture
+    network = build(system_config=config, device="cpu").double()
+    kind = "direct" if direct else "conservative"
     return Subjects(
-        "Orb-v3 conservative, pretrained sizes: 5 steps, 256 latent, radius 6 Å, cap 120",
+        f"Orb-v3 {kind}, pretrained sizes: 5 steps, 256 latent, radius 6 Å, cap 120",
         orb_calculator(network),
         Orb(network),
     )
@@ -230,7 +237,8 @@ FAMILIES: dict[str, Callable[[Path], Subjects]] = {
     "mattersim": _mattersim,
     "chgnet": _chgnet,
     "uma": _uma,
-    "orb": _orb,
+    "orb": partial(_orb, False),
+    "orb-direct": partial(_orb, True),
 }
 
 
