@@ -1,16 +1,16 @@
 """Time each ML adapter on one rank against the package's own ASE calculator.
 
 For every family whose package is installed in the running environment
-(SevenNet, NequIP, Allegro, MatterSim, CHGNet, UMA and Orb-v3, conservative and
-direct, in ``.venv``; MACE in ``.venv-mace``), the script builds a float64 model of
-a realistic size (random weights, with the builders of the tests,
-``tests/test_<family>.py``; CHGNet's shipped 0.3.0 weights), and a periodic fcc
-alloy of a few hundred atoms (and, with ``--systems bulk cluster``, a non-periodic
-icosahedral cluster). It then evaluates the same sequence of geometries with
+(SevenNet, NequIP, Allegro, MatterSim, CHGNet, UMA, Orb-v3 conservative and direct,
+and metatrain's PET through metatomic, in ``.venv``; MACE in ``.venv-mace``), the
+script builds a float64 model of a realistic size (random weights, with the builders
+of the tests, ``tests/test_<family>.py``; CHGNet's shipped 0.3.0 weights), and a
+periodic fcc alloy of a few hundred atoms (and, with ``--systems bulk cluster``, a
+non-periodic icosahedral cluster). It then evaluates the same sequence of geometries with
 
 - ``own``: the package's calculator (``SevenNetCalculator``, ``MACECalculator``,
   nequip's ``NequIPCalculator``, ``MatterSimCalculator``, ``CHGNetCalculator``,
-  ``FAIRChemCalculator``, ``ORBCalculator``), and
+  ``FAIRChemCalculator``, ``ORBCalculator``, ``MetatomicCalculator``), and
 - ``sharded``: ``ShardedCalculator(adapter, comm=MPI.COMM_SELF)`` (its default
   halo, or ``--halo``),
 
@@ -81,6 +81,7 @@ REQUIRES = {
     "uma": ("fairchem.core",),
     "orb": ("orb_models",),
     "orb-direct": ("orb_models",),
+    "pet": ("metatrain", "metatomic_ase"),
 }
 ELEMENTS = {
     "sevennet": (29, 47, 79),
@@ -92,6 +93,7 @@ ELEMENTS = {
     "uma": (29, 47, 79),
     "orb": (29, 47, 79),
     "orb-direct": (29, 47, 79),
+    "pet": (29, 47, 79),
 }
 
 
@@ -229,6 +231,32 @@ def _orb(direct: bool, workdir: Path) -> Subjects:
     )
 
 
+def _pet(workdir: Path) -> Subjects:
+    from metatomic_ase import MetatomicCalculator
+    from pet_models import LAYERS, tiny_pet
+
+    from ase_shard.models.metatomic import Metatomic
+
+    # metatrain's default PET sizes (PET-MAD's architecture), random weights, float64,
+    # the feedforward featurizer, whose reach is one cutoff past the declared one
+    cutoff = 4.5
+    model = tiny_pet(
+        "feedforward",
+        cutoff=cutoff,
+        d_pet=128,
+        d_head=128,
+        d_node=256,
+        d_feedforward=256,
+        num_heads=8,
+        num_attention_layers=2,
+    )
+    return Subjects(
+        "PET (metatrain), default sizes: 2 GNN layers, d_pet 128, cutoff 4.5 Å, feedforward",
+        MetatomicCalculator(model),
+        Metatomic(model, interaction_range=(LAYERS + 1) * cutoff),
+    )
+
+
 FAMILIES: dict[str, Callable[[Path], Subjects]] = {
     "sevennet": _sevennet,
     "nequip": partial(_nequip_family, "nequip"),
@@ -239,6 +267,7 @@ FAMILIES: dict[str, Callable[[Path], Subjects]] = {
     "uma": _uma,
     "orb": partial(_orb, False),
     "orb-direct": partial(_orb, True),
+    "pet": _pet,
 }
 
 

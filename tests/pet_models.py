@@ -25,22 +25,14 @@ CUTOFF = 3.6  # Å: the fcc Cu tests' first shell (2.55 Å) and most of the seco
 LAYERS = 2  # message-passing (GNN) layers, as PET-MAD's
 
 
-def pet_hypers(featurizer: str) -> dict:
-    """metatrain's default PET hyperparameters, narrowed."""
+def pet_hypers(featurizer: str, **sizes) -> dict:
+    """metatrain's default PET hyperparameters, narrowed (``sizes`` overrides any)."""
     from metatrain.utils.architectures import get_default_hypers
 
     hypers = copy.deepcopy(get_default_hypers("pet")["model"])
-    hypers.update(
-        cutoff=CUTOFF,
-        num_gnn_layers=LAYERS,
-        featurizer_type=featurizer,
-        d_pet=8,
-        d_head=8,
-        d_node=8,
-        d_feedforward=8,
-        num_heads=2,
-        num_attention_layers=1,
-    )
+    narrow = {"d_pet": 8, "d_head": 8, "d_node": 8, "d_feedforward": 8, "num_heads": 2}
+    hypers.update(cutoff=CUTOFF, num_gnn_layers=LAYERS, featurizer_type=featurizer)
+    hypers.update({**narrow, "num_attention_layers": 1, **sizes})
     return hypers
 
 
@@ -48,8 +40,9 @@ def pet_hypers(featurizer: str) -> dict:
 REACH = {"residual": LAYERS * CUTOFF, "feedforward": (LAYERS + 1) * CUTOFF}
 
 
-def tiny_pet(featurizer: str = "feedforward", seed: int = 0):
-    """A random-weight float64 PET exported with ``PET.export`` (an ``AtomisticModel``)."""
+def tiny_pet(featurizer: str = "feedforward", seed: int = 0, **sizes):
+    """A random-weight float64 PET exported with ``PET.export`` (an ``AtomisticModel``);
+    ``sizes``: hyperparameters in place of the narrow ones (:func:`pet_hypers`)."""
     from metatrain.pet import PET
     from metatrain.utils.data import DatasetInfo
     from metatrain.utils.data.target_info import get_energy_target_info
@@ -62,7 +55,7 @@ def tiny_pet(featurizer: str = "feedforward", seed: int = 0):
         },
     )
     torch.manual_seed(seed)
-    model = PET(pet_hypers(featurizer), info).to(torch.float64)
+    model = PET(pet_hypers(featurizer, **sizes), info).to(torch.float64)
     # the composition and scaler tables from atomic number to index leave the entries
     # of other numbers uninitialised (torch.empty): unused, but ShardedCalculator checks
     # that every rank's model is the same, buffers included
