@@ -384,9 +384,16 @@ class UMA(torch.nn.Module):
                 batch_full=torch.zeros_like(every),
                 csd_mixed_emb=csd,
             )
+        edges = self._layer_edges(graph)
+        # fairchem's edges come sorted by their target (the centre), which its scatters
+        # into the nodes run faster on: sort ours alike within each hop prefix
+        bounds = torch.tensor(sorted(set(edges)), device=device)
+        prefix = torch.bucketize(torch.arange(centre.shape[0], device=device), bounds, right=True)
+        order = torch.argsort(prefix * n + centre, stable=True)
+        centre, neighbour = centre.index_select(0, order), neighbour.index_select(0, order)
+        vectors = vectors.index_select(0, order)
         # fairchem's edges: (source, target) = (neighbour, centre), vector r_source - r_target
         edge_index = torch.stack([neighbour, centre])
-        edges = self._layer_edges(graph)
         if edge_index.shape[1] == 0:
             # as fairchem does for a system without edges: one self-loop beyond the cutoff
             # (its envelope is zero), as its SO(2) layers do not take empty inputs
