@@ -28,15 +28,13 @@ from ase_shard.models.orb import architecture_of, capped_edges  # noqa: E402
 RTOL64 = 1e-10
 
 
-def tiny_orb(
-    seed: int = 0, steps: int = 2, cap: int = 120, radius: float = 4.0, **options
-) -> torch.nn.Module:
-    """Orb-v3's conservative architecture, small and with random weights."""
+def _tiny(architecture: str, seed: int, steps: int, cap: int, radius: float, **options):
+    """Orb-v3's ``architecture`` ("conservative" or "direct"), small, random weights."""
+    from orb_models.forcefield import pretrained
     from orb_models.forcefield.atomic_system import SystemConfig
-    from orb_models.forcefield.pretrained import orb_v3_conservative_architecture
 
     torch.manual_seed(seed)
-    return orb_v3_conservative_architecture(
+    return getattr(pretrained, f"orb_v3_{architecture}_architecture")(
         latent_dim=16,
         base_mlp_hidden_dim=16,
         base_mlp_depth=1,
@@ -49,26 +47,20 @@ def tiny_orb(
     )
 
 
+def tiny_orb(
+    seed: int = 0, steps: int = 2, cap: int = 120, radius: float = 4.0, **options
+) -> torch.nn.Module:
+    """Orb-v3's conservative architecture, small and with random weights."""
+    return _tiny("conservative", seed, steps, cap, radius, **options)
+
+
 def tiny_direct(
     seed: int = 0, steps: int = 2, cap: int = 120, radius: float = 4.0
 ) -> torch.nn.Module:
     """Orb-v3's direct architecture, small and with random weights; its force and stress
     heads' normalisers are not the identity (orb denormalises after removing the mean
     force and the net torque)."""
-    from orb_models.forcefield.atomic_system import SystemConfig
-    from orb_models.forcefield.pretrained import orb_v3_direct_architecture
-
-    torch.manual_seed(seed)
-    network = orb_v3_direct_architecture(
-        latent_dim=16,
-        base_mlp_hidden_dim=16,
-        base_mlp_depth=1,
-        head_mlp_hidden_dim=16,
-        head_mlp_depth=1,
-        num_message_passing_steps=steps,
-        system_config=SystemConfig(radius=radius, max_num_neighbors=cap),
-        device="cpu",
-    )
+    network = _tiny("direct", seed, steps, cap, radius)
     forces, stress = network.heads["forces"], network.heads["stress"]
     for normalizer, mean, std in (
         (forces.normalizer, 0.05, 0.3),

@@ -56,33 +56,30 @@ def direct64():
     return tiny_direct(steps=1, radius=3.5).double()
 
 
-@pytest.mark.parametrize("name", ["bulk", "slab", "cluster", "molecule"])
-def test_tiny_float64(tiny64, name: str) -> None:
-    """ORBCalculator's results, and the one-rank adapter's (per-atom energies too)."""
-    atoms = orb_systems()[name]
-    ref = on_root(lambda: orb_results(tiny64, atoms))
-    serial = ShardedCalculator(Orb(tiny64), comm=serial_comm())
+def assert_matches_orb_and_one_rank(network, atoms) -> None:
+    """On every rank: ORBCalculator's results (float64), the one-rank adapter's, and the
+    same on all ranks."""
+    ref = on_root(lambda: orb_results(network, atoms))
+    serial = ShardedCalculator(Orb(network), comm=serial_comm())
     one = on_root(lambda: ase_results(serial, atoms))
-    got = ase_results(ShardedCalculator(Orb(tiny64)), atoms)
+    got = ase_results(ShardedCalculator(Orb(network)), atoms)
     errors = relative_errors(got, ref)
     assert all(err <= RTOL64 for err in errors.values()), errors
     assert_close_to(got, one, RTOL_RANKS)
     assert_identical_on_all_ranks(got)
+
+
+@pytest.mark.parametrize("name", ["bulk", "slab", "cluster", "molecule"])
+def test_tiny_float64(tiny64, name: str) -> None:
+    """ORBCalculator's results, and the one-rank adapter's (per-atom energies too)."""
+    assert_matches_orb_and_one_rank(tiny64, orb_systems()[name])
 
 
 @pytest.mark.parametrize("name", ["bulk", "slab", "cluster", "molecule"])
 def test_direct_float64(direct64, name: str) -> None:
     """A direct model: the mean force (and for the cluster, without a cell, the net
     torque) removed over every rank's atoms, its stress read out of all of them."""
-    atoms = orb_systems()[name]
-    ref = on_root(lambda: orb_results(direct64, atoms))
-    serial = ShardedCalculator(Orb(direct64), comm=serial_comm())
-    one = on_root(lambda: ase_results(serial, atoms))
-    got = ase_results(ShardedCalculator(Orb(direct64)), atoms)
-    errors = relative_errors(got, ref)
-    assert all(err <= RTOL64 for err in errors.values()), errors
-    assert_close_to(got, one, RTOL_RANKS)
-    assert_identical_on_all_ranks(got)
+    assert_matches_orb_and_one_rank(direct64, orb_systems()[name])
 
 
 @pytest.mark.parametrize("partition", ["spatial", "contiguous"])
