@@ -420,6 +420,7 @@ class LocalBlock:
             self._shift_cell = np.array(cell, dtype=np.float64)
             on_device = torch.as_tensor(self._shift_cell, device=self.device)
             self._shifts = (self.node_shift @ on_device, self.edge_shift @ on_device)
+            self._device_cell = on_device
         return self._shifts
 
     def _kept_edges(self, keep: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -518,11 +519,11 @@ class LocalBlock:
                 {name: value.to(dtype) for name, value in system.items()},
                 None if self._hops is None else Hops(tuple(kept), *self._hops),
                 self.system_sum,
+                cell=self._device_cell.to(dtype),  # cached with the offsets above
             )
             predicted = None
             if self._predicts:
                 graph.positions = positions.to(dtype)
-                graph.cell = torch.as_tensor(cell, dtype=torch.float64).to(self.device, dtype)
                 with torch.no_grad():
                     predicted = self.model(graph)
                 if not isinstance(predicted, PredictedForces):

@@ -202,7 +202,7 @@ def run(args: argparse.Namespace, spec: ModelSpec) -> int:
     calculator. Rank 0 prints the report; 0 when every difference is within
     :data:`TOLERANCE`, else 1 (on every rank)."""
     comm = Comm()
-    model = build_model(spec, args.modality, args.dtype)
+    model = build_model(spec, args.modality, args.dtype, args.interaction_range)
     calc = make_calculator(model, args)
     dtype = calc.dtype
     elements = choose_elements(getattr(model, "atomic_types", None), args.elements)

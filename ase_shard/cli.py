@@ -161,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_model_options(parser: argparse.ArgumentParser, bench: bool) -> None:
-    """``--model`` and ``--modality``, shared by ``md`` and ``bench``."""
+    """``--model``, ``--modality`` and ``--interaction-range``, shared by ``md``,
+    ``bench`` and ``check``."""
     more = (
         f"; {', '.join(BENCH_MODELS)}: random-weight models of the real architectures; "
         f"{NO_EDGE}: no pairs (--framework only)"
@@ -185,6 +186,14 @@ def _add_model_options(parser: argparse.ArgumentParser, bench: bool) -> None:
         help="fidelity of a multi-fidelity SevenNet model (7net-mf-0: PBE or R2SCAN), or "
         "the head of a multi-head MACE model, or the task of a UMA model (omat, omol, oc20, "
         "odac, omc)",
+    )
+    parser.add_argument(
+        "--interaction-range",
+        type=POSITIVE,
+        metavar="Å",
+        help="a metatomic model's reach when it is longer than the model declares, which "
+        "sets the halo (PET with metatrain's feedforward featurizer: (num_gnn_layers + 1) x "
+        "cutoff; see docs/models.md)",
     )
 
 
@@ -546,7 +555,7 @@ def _bench_model(spec: ModelSpec, atoms: Atoms, args: argparse.Namespace):
             seed=args.seed,
             **layers,
         )
-    return md.build_model(spec, args.modality, args.dtype)
+    return md.build_model(spec, args.modality, args.dtype, args.interaction_range)
 
 
 # ----------------------------------------------------------------------------- info

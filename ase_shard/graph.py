@@ -116,7 +116,11 @@ class LocalGraph:
         which sees geometry only through ``edge_vectors``.
     cell : torch.Tensor or None
         ``(3, 3)`` the system's cell in Å in the model's dtype (zeros where
-        the ``Atoms`` have none); given, or ``None``, as ``positions``.
+        the ``Atoms`` have none), a constant: the calculator's stress comes
+        from ``edge_vectors``, so a model that needs the cell in its energy
+        forms it from them (the metatomic adapter takes from it only which
+        periodic image an edge reaches). Given to every model by the
+        calculator; ``None`` in graphs built by hand.
     """
 
     numbers: torch.Tensor

@@ -115,6 +115,7 @@ TIME_KEY = "md_time_fs"  # ... and the simulated time, fs
 MODEL_KEY = "md_model"  # ... and the run's Physics
 PARAMETERS_KEY = "md_model_parameters"
 MODALITY_KEY = "md_modality"
+INTERACTION_RANGE_KEY = "md_interaction_range_A"
 TEMPERATURE_KEY = "md_temperature_K"
 COMPRESSIBILITY_KEY = "md_compressibility_per_bar"
 
@@ -149,6 +150,8 @@ class Physics:
         K: the thermostat's target (and the initial draw's).
     compressibility : float
         1/bar: the barostat's.
+    interaction_range : float or None
+        Å: ``--interaction-range`` (a metatomic model's halo).
     """
 
     model: str
@@ -156,16 +159,19 @@ class Physics:
     modality: str | None
     temperature: float
     compressibility: float
+    interaction_range: float | None = None
 
     def info(self) -> dict[str, str | float]:
         """The ``atoms.info`` entries. Empty strings are left out: extended XYZ
         cannot hold them."""
+        reach = self.interaction_range
         entries = {
             MODEL_KEY: self.model,
             PARAMETERS_KEY: self.parameters,
             MODALITY_KEY: self.modality or "",
             TEMPERATURE_KEY: self.temperature,
             COMPRESSIBILITY_KEY: self.compressibility,
+            INTERACTION_RANGE_KEY: "" if reach is None else reach,
         }
         return {key: value for key, value in entries.items() if value != ""}
 
@@ -175,12 +181,14 @@ class Physics:
         if MODEL_KEY not in info:
             return None
         modality = info.get(MODALITY_KEY)
+        reach = info.get(INTERACTION_RANGE_KEY)
         return cls(
             model=str(info[MODEL_KEY]),
             parameters=str(info.get(PARAMETERS_KEY, "")),
             modality=None if modality is None else str(modality),
             temperature=float(info[TEMPERATURE_KEY]),
             compressibility=float(info[COMPRESSIBILITY_KEY]),
+            interaction_range=None if reach is None else float(reach),
         )
 
     @property
@@ -198,10 +206,11 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
             f"--distributed runs {' and '.join(DISTRIBUTED_ENSEMBLES)}, not {args.ensemble}: "
             "the Berendsen integrators' centre-of-mass fix sums each rank's atoms only"
         )
-    modality = args.modality
+    modality, reach = args.modality, args.interaction_range
     if args.restart is not None:
         atoms, start, recorded = read_restart(args.restart)
         spec, modality = restart_model(args.restart, recorded, spec, modality)
+        reach = restart_interaction_range(args.restart, recorded, reach)
         defaults = FILE_DEFAULTS if recorded is None else recorded.defaults
         label = f"{args.restart} from step {start.step}"
     else:
@@ -212,6 +221,7 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
         model=spec.argument,
         parameters=model_parameters(spec),
         modality=modality,
+        interaction_range=reach,
         temperature=target,
         compressibility=(
             defaults.compressibility if args.compressibility is None else args.compressibility
@@ -223,7 +233,7 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
         thermalise(atoms, target, rng)
     if args.distributed:
         atoms = distribute(atoms)  # every rank holds the same atoms: each keeps its share
-    calc = make_calculator(build_model(spec, modality, args.dtype), args)
+    calc = make_calculator(build_model(spec, modality, args.dtype, reach), args)
     atoms.calc = calc
     dyn = make_dynamics(atoms, args, physics, rng)
     if draw:
@@ -303,12 +313,18 @@ def _same_file(a: str, b: str) -> bool:
 
 
 def build_model(
-    spec: ModelSpec, modality: str | None, dtype: str | None = None
+    spec: ModelSpec,
+    modality: str | None,
+    dtype: str | None = None,
+    interaction_range: float | None = None,
 ) -> torch.nn.Module:
     """The torch model of a resolved ``--model`` (identical on every rank); ``dtype``
-    (``--dtype``) for the models that are built in their precision (UMA)."""
+    (``--dtype``) for the models that are built in their precision (UMA);
+    ``interaction_range`` (``--interaction-range``, Å) for metatomic models."""
     if modality is not None and spec.kind not in ("sevenn", "mace", "uma"):
         raise CLIError(f"--modality applies to SevenNet, MACE and UMA models, not {spec.label}")
+    if interaction_range is not None and spec.kind != "metatomic":
+        raise CLIError(f"--interaction-range applies to metatomic models, not {spec.label}")
     if spec.kind == "builtin":
         return MODELS[spec.source]()
     if spec.kind == "sevenn":
@@ -331,7 +347,12 @@ def build_model(
     if spec.kind == "metatomic":
         from ase_shard.models import Metatomic
 
-        return Metatomic(spec.source)
+        try:
+            return Metatomic(spec.source, interaction_range=interaction_range)
+        except ValueError as exc:
+            if "interaction_range" not in str(exc):
+                raise
+            raise CLIError(f"--model {spec.label}: {exc} (option --interaction-range)") from None
     if spec.kind == "uma":
         from ase_shard.models import UMA
 
@@ -427,6 +448,28 @@ def restart_model(
     if modality is not None and modality != recorded.modality:
         raise CLIError(f"{written} and --modality {recorded.modality or '(none)'}, not {modality}")
     return model, recorded.modality
+
+
+def restart_interaction_range(
+    path: str, recorded: Physics | None, given: float | None
+) -> float | None:
+    """The ``--interaction-range`` of ``--restart path``: the recorded one; ``given`` (the
+    command line's) where nothing is recorded.
+
+    Raises
+    ------
+    CLIError
+        When the command line gives another range than the record.
+    """
+    if recorded is None:
+        return given
+    if given is not None and given != recorded.interaction_range:
+        was = recorded.interaction_range
+        raise CLIError(
+            f"--restart {path} was written with --interaction-range "
+            f"{'(none)' if was is None else f'{was:g}'}, not {given:g}"
+        )
+    return recorded.interaction_range
 
 
 def model_parameters(spec: ModelSpec) -> str:

@@ -101,6 +101,7 @@ def pad_graph(
         system=graph.system,
         hops=None,
         system_sum=graph.system_sum,
+        cell=graph.cell,
     )
 
 

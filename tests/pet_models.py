@@ -8,10 +8,11 @@ and Au, and exports it with metatrain's own ``PET.export`` as a metatomic
 baseline zero: nothing is trained.
 
 PET computes its edge vectors from ``System.positions`` and the cell shifts, not from
-the neighbour-list values, so the adapter unfolds the graph into periodic images for
-it. With ``featurizer_type="feedforward"`` (metatrain's default) an atom's energy
-depends on atoms one cutoff further than the ``interaction_range`` PET declares
-(``num_gnn_layers * cutoff``): ``REACH`` gives both featurizers' real reach.
+the neighbour-list values, so the adapter gives it positions (the system on one rank,
+the graph unfolded into periodic images on a rank with ghosts). With
+``featurizer_type="feedforward"`` (metatrain's default) an atom's energy depends on
+atoms one cutoff further than the ``interaction_range`` PET declares (``num_gnn_layers *
+cutoff``): ``REACH`` gives both featurizers' real reach.
 """
 
 from __future__ import annotations

@@ -25,8 +25,9 @@ import torch  # noqa: E402
 from ase import Atoms  # noqa: E402
 from ase.build import bulk  # noqa: E402
 from metatomic_models import PositionsModel, tiny_metatomic  # noqa: E402
-from oracles import ase_results, relative_errors  # noqa: E402
+from oracles import ase_results, rel_err, relative_errors  # noqa: E402
 from pet_models import REACH, tiny_pet  # noqa: E402
+from sync_count import split_reuse_step  # noqa: E402
 from systems import ag_slab, au_cluster  # noqa: E402
 
 from ase_shard import ShardedCalculator  # noqa: E402
@@ -168,7 +169,8 @@ def test_pairs_are_listed_once() -> None:
         n_owned=2,
     )
     pairs = adapter._pairs(graph)
-    labels = pairs.label.tolist()
+    labels = pairs.shifts[:, 0].tolist()
+    assert not pairs.shifts[:, 1:].any()  # labels (k, 0, 0), not images
     assert labels[0] == -labels[1] > 0 and labels[3] == -labels[2] > 0 and labels[4] > 0
     assert len({abs(label) for label in labels}) == 3
     assert pairs.half.tolist() == [True, False, False, True, True]
@@ -294,19 +296,87 @@ def test_pet_matches_metatomic_calculator(pets, featurizer: str, system: str) ->
     assert system == "molecule" or np.abs(ref["stress"][3:]).max() > 1e-4
 
 
+def test_whole_system_is_given_with_its_cell(pets, monkeypatch) -> None:
+    """On one rank (no ghosts) a model that reads positions gets the system as
+    metatomic's calculator gives it: one node per atom, the atoms' cell on the periodic
+    axes the pairs cross (zero rows elsewhere), and each pair's integer cell shift
+    placing its second atom at the edge vector from its first."""
+    adapter = pet_adapter(pets["residual"], "residual")
+    seen = []
+    periodic_system = adapter._periodic_system
+
+    def spy(graph):
+        system, pairs = periodic_system(graph)
+        seen.append((graph.n_atoms, system, pairs))
+        return system, pairs
+
+    monkeypatch.setattr(adapter, "_periodic_system", spy)
+    for name, pbc in (("triclinic", [1, 1, 1]), ("slab", [1, 1, 0]), ("molecule", [0, 0, 0])):
+        atoms = tiny_systems()[name]
+        atoms.calc = ShardedCalculator(adapter)
+        atoms.get_potential_energy()
+        n_nodes, system, pairs = seen[-1]
+        assert n_nodes == len(atoms)
+        assert system.pbc.tolist() == [bool(axis) for axis in pbc]
+        cell = system.cell.detach()
+        assert torch.allclose(cell, torch.tensor(atoms.cell.array * np.c_[pbc]), atol=1e-12)
+        first, second = pairs.first, pairs.second
+        placed = system.positions[second] - system.positions[first]
+        placed = placed + pairs.shifts.to(cell.dtype) @ cell
+        assert torch.allclose(placed, pairs.vectors, atol=1e-12, rtol=0)
+        assert pbc == [0, 0, 0] or pairs.shifts.abs().max() > 0
+
+
 def test_pet_feedforward_reaches_past_its_interaction_range(pets) -> None:
     """metatrain's PET with the feedforward featurizer declares ``num_gnn_layers *
-    cutoff`` but depends on atoms one cutoff further: with the halo it declares the
-    results are off (so REACH is needed, and this test tells when metatrain changes);
-    with the residual featurizer the declared range is the reach."""
+    cutoff`` but depends on atoms one cutoff further: three ranks' blocks (built in one
+    process, so with ghosts) with the halo it declares are off from one rank's, which
+    has no ghosts (so REACH is needed, and this test tells when metatrain changes); with
+    the residual featurizer the declared range is the reach."""
     atoms = tiny_systems()["triclinic"]
     for featurizer, off in (("feedforward", True), ("residual", False)):
-        model = pets[featurizer]
-        declared = Metatomic(model)
+        declared = Metatomic(pets[featurizer])
         assert declared.interaction_range == REACH["residual"]
-        errors = relative_errors(
-            ase_results(ShardedCalculator(declared), atoms), reference_results(model, atoms)
-        )
-        assert (max(errors.values()) > 1e-8) == off, (featurizer, errors)
+        whole, _ = split_reuse_step(declared, atoms, 1)
+        split, steps = split_reuse_step(declared, atoms, 3)
+        assert all(block.n_nodes > block.n_owned for block, _ in steps)
+        error = rel_err(split[:, :4], whole[:, :4])  # energies and forces
+        assert (error > 1e-8) == off, (featurizer, error)
+        if off:
+            reach = Metatomic(pets[featurizer], interaction_range=REACH[featurizer])
+            split, _ = split_reuse_step(reach, atoms, 3)
+            assert rel_err(split[:, :4], whole[:, :4]) <= RTOL64
     with pytest.raises(ValueError, match="shorter than"):
         Metatomic(pets["residual"], interaction_range=REACH["residual"] - 0.1)
+
+
+def test_cli_interaction_range_sets_the_halo_and_is_recorded(pets, tmp_path, capsys) -> None:
+    """``ase-shard md --model metatomic:FILE --interaction-range R`` gives the adapter R
+    (its frames hold metatomic's energies), records R, and a restart keeps it and refuses
+    another; a range shorter than declared, or for another model, exits 2."""
+    from ase.io import read
+
+    from ase_shard.cli import main
+
+    path = tmp_path / "pet.pt"
+    pets["feedforward"].save(str(path))
+    reach = REACH["feedforward"]
+    traj = tmp_path / "run.traj"
+    run = ["md", "--system", "cu-bulk", "--size", "2", "--steps", "2", "--interval", "1"]
+    model = ["--model", f"metatomic:{path}", "--no-progress"]
+    assert main([*run, *model, "--interaction-range", str(reach), "--trajectory", str(traj)]) == 0
+    frames = read(traj, ":")
+    assert [frame.info["md_interaction_range_A"] for frame in frames] == [reach] * 3
+    frame = frames[-1]
+    ref = reference_results(pets["feedforward"], frame)
+    assert abs(frame.get_potential_energy() - ref["energy"]) <= RTOL64 * abs(ref["energy"])
+    assert main(["md", "--restart", str(traj), "--steps", "1", "--no-progress"]) == 0
+    assert read(traj, -1).info["md_interaction_range_A"] == reach
+    capsys.readouterr()
+    for arguments, message in (
+        (["--restart", str(traj), "--interaction-range", "9"], "written with --interaction-range"),
+        ([*model, "--interaction-range", "3"], "shorter than the 7.2 Å the model declares"),
+        (["--model", "emt", "--interaction-range", "9"], "applies to metatomic models, not emt"),
+    ):
+        assert main(["md", "--steps", "1", *arguments]) == 2
+        assert message in capsys.readouterr().err

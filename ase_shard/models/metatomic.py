@@ -16,16 +16,17 @@ pair), so the calculator's gradient with respect to the edge vectors gives force
 stress, as the gradient with respect to positions and strain gives them in
 ``metatomic_ase.MetatomicCalculator``.
 
-A ``LocalGraph`` carries edge vectors, not positions, a cell or image shifts. For a
-model that computes from the neighbour-list vectors the ``System``'s positions are NaN,
-the cell is zero and not periodic, and the pairs' cell shifts are labels that tell the
-pairs apart, not images. A model that computes its vectors from ``System.positions``
-(and the cell shifts), as metatrain's PET (PET-MAD's architecture) does, gets instead
+For a model that computes from the neighbour-list vectors the ``System``'s positions
+are NaN, the cell is zero and not periodic, and the pairs' cell shifts are labels that
+tell the pairs apart, not images. A model that computes its vectors from
+``System.positions``, the cell and the cell shifts, as metatrain's PET (PET-MAD's
+architecture) does, gets positions that are sums of edge vectors along a spanning tree:
+on a rank without ghosts (one rank) the system as metatomic's calculator gives it (one
+node per atom, the cell, integer shifts from ``LocalGraph.cell``); on a rank with ghosts
 the graph unfolded into explicit periodic images, as metatomic's LAMMPS interface gives
-it ghosts: positions are sums of edge vectors along paths from one atom, one node per
-image within ``num_layers`` hops of an owned atom, no cell, no shifts; the adapter
-finds which kind a model is by evaluating it once on two atoms with NaN positions
-(``unfold=`` overrides). See docs/models.md, "metatomic".
+it ghosts (one node per image within ``num_layers`` hops of an owned atom, no cell, no
+shifts). The adapter finds which kind a model is by evaluating it once on two atoms
+with NaN positions (``unfold=`` overrides). See docs/models.md, "metatomic".
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 # image when closer than this (the sums differ by rounding, ~1e-12 Å); images of
 # distinct atoms are at least 1e-4 Å apart (ShardedCalculator refuses closer atoms)
 _SAME_IMAGE = 1e-6
+# Å: what a path of edge vectors around a loop may leave beyond a lattice vector
+# (rounding: float32 sums over long paths reach ~1e-5 Å; a missing cell leaves Å)
+_LATTICE_MISFIT = 1e-3
 
 
 def _metatomic() -> Any:
@@ -89,7 +93,7 @@ class _Pairs(NamedTuple):
     first: torch.Tensor  # (E,) int64 centres
     second: torch.Tensor  # (E,) int64 neighbours
     vectors: torch.Tensor  # (E, 3) edge vectors, Å
-    label: torch.Tensor  # (E,) int32: +k / -k, the pair and the direction
+    shifts: torch.Tensor  # (E, 3) int32 cell shifts: (+k, 0, 0) / (-k, 0, 0) labels
     half: torch.Tensor  # (E,) bool: the edges of a half list, one per pair
     one_way: torch.Tensor  # (E,) bool: reverse not listed, neighbour's edges not listed
     unpaired: torch.Tensor  # (E,) bool: reverse not listed, both ends' edges listed
@@ -168,6 +172,28 @@ def _frame(
     return levels, parent, np.where(reached, part, -1)
 
 
+def _placed(
+    vectors: torch.Tensor, centre: np.ndarray, neighbour: np.ndarray, n: int, n_owned: int
+) -> tuple[torch.Tensor, np.ndarray]:
+    """Each node placed by the spanning tree of :func:`_frame`: its parent's position plus
+    the edge vector, from its part's root at the origin.
+
+    Returns ``(n, 3)`` positions, sums of ``vectors`` (differentiable; zeros at the nodes
+    not reached), and each node's part (-1: not reached).
+    """
+    levels, parent, part = _frame(centre, neighbour, n, n_owned)
+    device = vectors.device
+    steps = torch.cat([vectors, -vectors])
+    source = np.concatenate([centre, neighbour])
+    positions = vectors.new_zeros((n, 3))
+    for level in levels[1:]:
+        edge = parent[level]
+        step = positions.index_select(0, torch.as_tensor(source[edge], device=device))
+        step = step + steps.index_select(0, torch.as_tensor(edge, device=device))
+        positions = positions.index_copy(0, torch.as_tensor(level, device=device), step)
+    return positions, part
+
+
 class Metatomic(torch.nn.Module):
     """A metatomic ``AtomisticModel`` following the ``ShardModel`` protocol.
 
@@ -189,13 +215,14 @@ class Metatomic(torch.nn.Module):
         Passed to the model: metatomic's checks of inputs and outputs at every
         evaluation (slow; for debugging a model).
     unfold : bool, optional
-        Whether the model gets the graph unfolded into explicit periodic images with
-        positions (``True``: for models that compute from ``System.positions``, as
-        metatrain's PET) or one node per graph node with NaN positions and the edge
-        vectors as neighbour-list values (``False``: for models that compute from
-        those). By default the model is evaluated once on two atoms with NaN
-        positions, and unfolded when its energy is not finite or differs from the one
-        with real positions.
+        Whether the model gets positions (``True``: for models that compute from
+        ``System.positions``, as metatrain's PET): the system with its cell and cell
+        shifts on a rank without ghosts, the graph unfolded into explicit periodic
+        images on a rank with ghosts; or one node per graph node with NaN positions and
+        the edge vectors as neighbour-list values (``False``: for models that compute
+        from those). By default the model is evaluated once on two atoms with NaN
+        positions, and gets positions when its energy is not finite or differs from
+        the one with real positions.
     interaction_range : float, optional
         Å: the model's reach when it is longer than the one it declares
         (``capabilities().interaction_range``; shorter is refused). metatrain's PET with
@@ -220,7 +247,7 @@ class Metatomic(torch.nn.Module):
     model : AtomisticModel
         The wrapped model.
     unfold : bool
-        Whether the model gets the graph unfolded into periodic images (see above).
+        Whether the model gets positions, unfolded where there are ghosts (see above).
 
     The model runs in the dtype it declares (``capabilities().dtype``), which
     ``ShardedCalculator`` uses by default; asking for another (``dtype=``) raises
@@ -385,8 +412,15 @@ class Metatomic(torch.nn.Module):
         # calculator folds an owned atom's images onto it but keeps one ghost node
         # per image of a foreign atom, so the reverse is listed to another node)
         one_way = lone & ~is_centre[neighbour]
+        zeros = torch.zeros_like(label)
         return _Pairs(
-            centre, neighbour, vectors, label, first_way | lone, one_way, lone & ~one_way
+            centre,
+            neighbour,
+            vectors,
+            torch.stack([label, zeros, zeros], dim=1),
+            first_way | lone,
+            one_way,
+            lone & ~one_way,
         )
 
     def _neighbor_list(self, pairs: _Pairs, cutoff: float, full: bool) -> Any:
@@ -395,7 +429,7 @@ class Metatomic(torch.nn.Module):
         Full: every listed edge, and the reverse of every edge to a node whose
         own edges are not listed. Half: one edge per pair.
         """
-        first, second, vectors, label = pairs.first, pairs.second, pairs.vectors, pairs.label
+        first, second, vectors, shifts = pairs.first, pairs.second, pairs.vectors, pairs.shifts
         if full:
             one_way = pairs.one_way.nonzero().squeeze(1)
             first, second = (
@@ -403,7 +437,7 @@ class Metatomic(torch.nn.Module):
                 torch.cat([second, first[one_way]]),
             )
             vectors = torch.cat([vectors, -vectors.index_select(0, one_way)])
-            label = torch.cat([label, -label[one_way]])
+            shifts = torch.cat([shifts, -shifts[one_way]])
         else:
             if bool(pairs.unpaired.any()):
                 raise NotImplementedError(
@@ -414,20 +448,15 @@ class Metatomic(torch.nn.Module):
                     "on one rank, or with a cell large enough for the halo (docs/models.md)"
                 )
             kept = pairs.half.nonzero().squeeze(1)
-            first, second, label = first[kept], second[kept], label[kept]
+            first, second, shifts = first[kept], second[kept], shifts[kept]
             vectors = vectors.index_select(0, kept)
         if cutoff < self.cutoff:
             inside = torch.linalg.vector_norm(vectors.detach(), dim=1) < cutoff
             inside = inside.nonzero().squeeze(1)
-            first, second, label = first[inside], second[inside], label[inside]
+            first, second, shifts = first[inside], second[inside], shifts[inside]
             vectors = vectors.index_select(0, inside)
-        # the pairs' cell shifts are labels telling pairs (and a pair's two
-        # directions) apart, (k, 0, 0) and (-k, 0, 0); the System's cell is zero
-        zeros = torch.zeros_like(label)
-        return _pair_block(
-            torch.stack([first.to(torch.int32), second.to(torch.int32), label, zeros, zeros], 1),
-            vectors,
-        )
+        nodes = torch.stack([first, second], dim=1).to(torch.int32)
+        return _pair_block(torch.cat([nodes, shifts], dim=1), vectors)
 
     def _reads_positions(self) -> bool:
         """Whether the model computes from ``System.positions``: its energies of two atoms
@@ -497,20 +526,7 @@ class Metatomic(torch.nn.Module):
         def indices(values: np.ndarray) -> torch.Tensor:
             return torch.as_tensor(values, dtype=torch.int64, device=device)
 
-        levels, parent, part = _frame(centre, neighbour, n, n_owned)
-        steps = torch.cat([vectors, -vectors])
-        source = np.concatenate([centre, neighbour])
-        slot = np.zeros(n, dtype=np.int64)
-        slot[levels[0]] = np.arange(len(levels[0]))
-        placed = [vectors.new_zeros((len(levels[0]), 3))]
-        for level in levels[1:]:
-            edge = parent[level]
-            step = placed[-1].index_select(0, indices(slot[source[edge]]))
-            placed.append(step + steps.index_select(0, indices(edge)))
-            slot[level] = np.arange(len(level))
-        row = np.zeros(n, dtype=np.int64)
-        row[np.concatenate(levels)] = np.arange(sum(len(level) for level in levels))
-        frame = torch.cat(placed)
+        frame, part = _placed(vectors, centre, neighbour, n, n_owned)
         frame_points = frame.detach().to(torch.float64).cpu().numpy()
         # the parts apart, for finding images by position (each part has its own origin)
         reach = np.abs(frame_points).max(initial=0.0) + (self.num_layers + 1) * self.cutoff
@@ -518,8 +534,8 @@ class Metatomic(torch.nn.Module):
 
         owned = np.arange(n_owned)
         nodes = [owned]
-        positions = [frame.index_select(0, indices(row[owned]))]
-        points = [frame_points[row[owned]] + part[owned, None] * apart]
+        positions = [frame[:n_owned]]
+        points = [frame_points[owned] + part[owned, None] * apart]
         by_centre = np.argsort(centre, kind="stable")
         counts = np.bincount(centre, minlength=n)
         starts = np.cumsum(counts) - counts
@@ -570,6 +586,57 @@ class Metatomic(torch.nn.Module):
             indices(np.concatenate(nodes)), torch.cat(positions), indices(first), indices(second)
         )
 
+    def _periodic_system(self, graph: LocalGraph) -> tuple[Any, _Pairs]:
+        """A graph with no ghosts as metatomic's own calculator gives the system: the
+        atoms' positions, the cell, periodicity and each pair's cell shift.
+
+        The positions are sums of ``graph.edge_vectors`` along a spanning tree (see
+        :func:`_placed`), so each part of the system is one of its periodic images. What
+        a path leaves of an edge vector is a lattice vector, ``shift @ cell``: its
+        integer shift from ``graph.cell``, and the cell's rows by least squares over the
+        edges with a non-zero shift (differentiable: a strain of the edge vectors strains
+        it). An axis no edge crosses is not periodic and its row is zero; nothing of the
+        model's then depends on it. Moving atoms or straining the cell moves every
+        position and cell row with them, so the calculator's gradient with respect to
+        the edge vectors gives the model's forces and stress exactly; the split of the
+        virial between atoms (per-atom stresses) follows the tree's paths.
+        """
+        mta = _metatomic()
+        vectors = graph.edge_vectors
+        device = vectors.device
+        centre, neighbour = graph.edge_index
+        n = graph.n_atoms
+        positions, _ = _placed(vectors, centre.cpu().numpy(), neighbour.cpu().numpy(), n, n)
+        # what the tree's path leaves of each edge vector
+        path = positions.index_select(0, neighbour) - positions.index_select(0, centre)
+        lattice = vectors - path
+        cell = np.zeros((3, 3)) if graph.cell is None else graph.cell.cpu().numpy()
+        cell = cell.astype(np.float64)
+        flat = lattice.detach().cpu().numpy().astype(np.float64)
+        shifts = np.rint(flat @ np.linalg.pinv(cell))
+        misfit = np.abs(flat - shifts @ cell).max(initial=0.0)
+        if not misfit < _LATTICE_MISFIT:
+            raise ValueError(
+                f"the graph's edge vectors close loops {misfit:.3g} Å away from a lattice "
+                "vector of graph.cell: the graph needs the system's cell"
+            )
+        crossing = np.flatnonzero(shifts.any(axis=1))
+        crossed = shifts[crossing]
+        normal = torch.as_tensor(np.linalg.pinv(crossed.T @ crossed), dtype=vectors.dtype)
+        crossed_t = torch.as_tensor(crossed.T, dtype=vectors.dtype)
+        steps = lattice.index_select(0, torch.as_tensor(crossing, device=device))
+        # the rows of axes no edge crosses come out zero (pinv of a zero block)
+        lattice_cell = normal.to(device) @ (crossed_t.to(device) @ steps)
+        system = mta.System(
+            types=graph.numbers.to(torch.int32),
+            positions=positions,
+            cell=lattice_cell,
+            pbc=torch.as_tensor(crossed.any(axis=0), device=device),
+        )
+        pairs = self._pairs(graph)
+        pairs = pairs._replace(shifts=torch.as_tensor(shifts, dtype=torch.int32, device=device))
+        return system, pairs
+
     def _image_neighbor_list(
         self, images: _Images, vectors: torch.Tensor, cutoff: float, full: bool
     ) -> Any:
@@ -607,7 +674,11 @@ class Metatomic(torch.nn.Module):
         cell = torch.zeros((3, 3), dtype=self.dtype, device=device)
         pbc = torch.zeros(3, dtype=torch.bool, device=device)
         listed = 0
-        if self.unfold:
+        pairs = None
+        if self.unfold and n_owned == n:
+            # the whole system, no ghosts: positions, cell and shifts, no images
+            system, pairs = self._periodic_system(graph)
+        elif self.unfold:
             images = self._unfold(graph)
             types = graph.numbers.index_select(0, images.nodes).to(torch.int32)
             positions = images.positions
@@ -627,6 +698,7 @@ class Metatomic(torch.nn.Module):
                 types=graph.numbers.to(torch.int32), positions=positions, cell=cell, pbc=pbc
             )
             pairs = self._pairs(graph)
+        if pairs is not None:
             for request, cutoff, full in zip(
                 self._requests, self._cutoffs, self._full, strict=True
             ):
