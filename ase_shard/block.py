@@ -8,6 +8,8 @@ only collectives inside.
 
 from __future__ import annotations
 
+from dataclasses import astuple
+
 import numpy as np
 import torch
 
@@ -669,3 +671,51 @@ class LocalBlock:
             name: torch.as_tensor(value, dtype=torch.float64, device=self.device)
             for name, value in (values or {}).items()
         }
+
+
+class SumBlock:
+    """The blocks of a :class:`~ase_shard.models.Sum`'s terms over one rank's nodes.
+
+    Each term has its own :class:`LocalBlock`: its edges listed at its own cutoff
+    (plus the skin), its own path (a built-in potential's kernel, autograd, the
+    per-layer exchange for a term of several layers). The result columns of the
+    terms add up: energies, forces and virials are sums over the terms.
+
+    Parameters
+    ----------
+    blocks : sequence of LocalBlock
+        One per term, built over the same rows.
+    """
+
+    def __init__(self, blocks: list[LocalBlock]):
+        self.blocks = list(blocks)
+        self._columns: np.ndarray | None = None
+
+    def needed(self) -> Capacities:
+        """The largest sizes any term's padded graph needs (``Sum`` is not compiled)."""
+        sizes = [block.needed() for block in self.blocks]
+        return Capacities(*(max(values) for values in zip(*map(astuple, sizes), strict=True)))
+
+    def pad(self, capacity: Capacities) -> None:
+        raise NotImplementedError("a Sum of models is not compiled (supports_compile=False)")
+
+    def evaluate(
+        self,
+        node_rows: np.ndarray,
+        cell: np.ndarray,
+        dtype,
+        inputs: dict[str, np.ndarray] | None = None,
+        system: dict[str, list] | None = None,
+        per_node_virials: bool = True,
+    ) -> np.ndarray:
+        """The terms' :meth:`LocalBlock.evaluate` columns, added up (same layout)."""
+        for k, block in enumerate(self.blocks):
+            columns = block.evaluate(node_rows, cell, dtype, inputs, system, per_node_virials)
+            if k == 0:
+                # each block reuses its storage at its next call: the sum keeps its own
+                if self._columns is None or self._columns.shape != columns.shape:
+                    self._columns = np.empty_like(columns)
+                np.copyto(self._columns, columns)
+            else:
+                self._columns += columns
+        return self._columns

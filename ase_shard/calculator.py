@@ -31,11 +31,17 @@ import torch
 from ase import Atoms
 from ase.calculators.calculator import Calculator, all_changes
 
-from ase_shard.block import LocalBlock
+from ase_shard.block import LocalBlock, SumBlock
 from ase_shard.comm import CALCULATE, CLOSE, Comm, Failure, reraise
 from ase_shard.distributed import DistributedAtoms
 from ase_shard.exchange import Halo, PeerFailure, check_status
-from ase_shard.graph import ShardModel, check_model, model_digest, predicts_forces
+from ase_shard.graph import (
+    ShardModel,
+    check_model,
+    model_digest,
+    predicts_forces,
+    supports_layer_halo,
+)
 from ase_shard.inputs import ModelInputs, unpack
 from ase_shard.layouts import (
     DecompositionView,
@@ -45,6 +51,7 @@ from ase_shard.layouts import (
     Request,
     RootLayout,
 )
+from ase_shard.models.sum import Sum
 from ase_shard.padding import Capacities, CompiledModel
 from ase_shard.placement import checked_dtype, place_rank, placed
 from ase_shard.reuse import displacement_reason, forced_rebuild
@@ -505,25 +512,40 @@ class ShardedCalculator(Calculator):
             )
         return rows
 
-    def _new_block(self, state, rows: np.ndarray, request: Request) -> LocalBlock:
-        """This rank's block: its local graph's edges at the new decomposition."""
+    def _new_block(self, state, rows: np.ndarray, request: Request) -> LocalBlock | SumBlock:
+        """This rank's block: its local graph's edges at the new decomposition (a
+        :class:`~ase_shard.models.Sum`: one block per term, each at its own cutoff)."""
         settings, plan = self.settings, self.halo.plan
-        return LocalBlock(
-            state.rows,
-            state.numbers,
-            rows[:, :3],
-            request.cell,
-            self.model,
-            skin=settings.skin,
-            device=self.device,
-            exchange=plan if settings.halo == "layer" else None,
-            timer=self.timer,
-            compiled=None if self._compiled is None else self._compiled.compiled,
-            min_distance=settings.min_distance,
-            neighbor_list=settings.neighbor_list,
-            pair_halo=plan if self.comm.size > 1 and self._on_host_everywhere else None,
-            system_sum=SystemSum(self.comm) if self.comm.size > 1 else None,
-        )
+
+        def block(model: ShardModel, exchange) -> LocalBlock:
+            return LocalBlock(
+                state.rows,
+                state.numbers,
+                rows[:, :3],
+                request.cell,
+                model,
+                skin=settings.skin,
+                device=self.device,
+                exchange=exchange,
+                timer=self.timer,
+                compiled=None if self._compiled is None else self._compiled.compiled,
+                min_distance=settings.min_distance,
+                neighbor_list=settings.neighbor_list,
+                pair_halo=plan if self.comm.size > 1 and self._on_host_everywhere else None,
+                system_sum=SystemSum(self.comm) if self.comm.size > 1 else None,
+            )
+
+        layer = settings.halo == "layer"
+        if isinstance(self.model, Sum):
+            # a term exchanges through the plan if it can (a one-layer term, e.g. EMT,
+            # has nothing to exchange)
+            return SumBlock(
+                [
+                    block(term, plan if layer and supports_layer_halo(term) else None)
+                    for term in self.model.terms
+                ]
+            )
+        return block(self.model, plan if layer else None)
 
     # -- 5. evaluation -----------------------------------------------------------------
 

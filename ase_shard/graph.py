@@ -413,7 +413,12 @@ def supports_layer_halo(model: ShardModel) -> bool:
 
 
 def receptive_field(model: ShardModel) -> float:
-    """Distance (Å) within which atoms influence an atom's energy."""
+    """Distance (Å) within which atoms influence an atom's energy: ``cutoff *
+    num_layers``, or what a model of several terms declares (``receptive_field``,
+    :class:`ase_shard.models.Sum`)."""
+    declared = getattr(model, "receptive_field", None)
+    if declared is not None:
+        return float(declared)
     return float(model.cutoff) * int(model.num_layers)
 
 

@@ -4,7 +4,7 @@
 ``MACE``, ``NequIP``, ``CHGNet``, ``Metatomic``, ``UMA``, ``Orb`` and ``MatterSim`` wrap
 machine-learned potentials; their packages are imported only when a model is built (extras
 ``ase-shard[sevenn]``, ``[mace]``, ``[nequip]``, ``[chgnet]``, ``[metatomic]``,
-``[fairchem]``, ``[orb]``, ``[mattersim]``).
+``[fairchem]``, ``[orb]``, ``[mattersim]``). ``Sum`` adds models, each at its own cutoff.
 """
 
 from ase_shard.models.chgnet import CHGNet
@@ -17,6 +17,7 @@ from ase_shard.models.morse import Morse
 from ase_shard.models.nequip import Allegro, NequIP
 from ase_shard.models.orb import Orb
 from ase_shard.models.sevenn import SevenNet
+from ase_shard.models.sum import Sum
 from ase_shard.models.uma import UMA
 
 __all__ = [
@@ -31,5 +32,6 @@ __all__ = [
     "NequIP",
     "Orb",
     "SevenNet",
+    "Sum",
     "UMA",
 ]

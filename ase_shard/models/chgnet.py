@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from ase_shard.graph import LocalGraph
+from ase_shard.models.sum import Addable
 from ase_shard.models.triplets import angle_pairs, pairs_within
 
 # the pretrained models that ship inside the chgnet wheel (chgnet/pretrained/)
@@ -208,7 +209,7 @@ def bond_graph(
     )
 
 
-class CHGNet(torch.nn.Module):
+class CHGNet(Addable, torch.nn.Module):
     """A CHGNet potential (chgnet) following the ``ShardModel`` protocol.
 
     Parameters

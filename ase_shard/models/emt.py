@@ -24,6 +24,7 @@ from ase_shard.kernels import (
     EMT_S0,
     EMT_V0,
 )
+from ase_shard.models.sum import Addable
 
 _N_ELEMENTS = 119
 
@@ -71,7 +72,7 @@ def _parameter_table(rc: float, acut: float) -> torch.Tensor:
     return table
 
 
-class EMT(torch.nn.Module):
+class EMT(Addable, torch.nn.Module):
     """ASE's effective medium theory for Al, Cu, Ag, Au, Ni, Pd, Pt, H, C, N, O.
 
     The energy of atom ``i`` is the cohesive function of its neighbour density

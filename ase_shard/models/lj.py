@@ -7,9 +7,10 @@ import torch
 
 from ase_shard import kernels
 from ase_shard.graph import EdgeList, LocalGraph
+from ase_shard.models.sum import Addable
 
 
-class LennardJones(torch.nn.Module):
+class LennardJones(Addable, torch.nn.Module):
     """Lennard-Jones potential, ``u(r) = 4 epsilon ((sigma/r)^12 - (sigma/r)^6)``.
 
     Reproduces ASE's conventions: with ``smooth=False`` the pair energy is

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ase_shard.graph import LocalGraph
+from ase_shard.models.sum import Addable
 
 _SUPPORTED = ("MACE", "ScaleShiftMACE")
 
@@ -57,7 +58,7 @@ def _accepted(module: torch.nn.Module, names: Sequence[str]) -> frozenset[str]:
     return frozenset(name for name in names if name in parameters)
 
 
-class MACE(torch.nn.Module):
+class MACE(Addable, torch.nn.Module):
     """A MACE potential (``mace.modules.models.MACE`` or ``ScaleShiftMACE``).
 
     Runs MACE's own submodules (embedding, spherical harmonics, radial basis,

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from ase_shard.graph import LocalGraph
+from ase_shard.models.sum import Addable
 from ase_shard.models.triplets import angle_pairs
 from ase_shard.presets import MATTERSIM_CHECKPOINTS, mattersim_checkpoint
 
@@ -110,7 +111,7 @@ def three_body_rows(
     return angle_pairs(centre, candidates, n_nodes)
 
 
-class MatterSim(torch.nn.Module):
+class MatterSim(Addable, torch.nn.Module):
     """A MatterSim (M3GNet) potential following the ``ShardModel`` protocol.
 
     Parameters

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from ase_shard.graph import LocalGraph
+from ase_shard.models.sum import Addable
 
 # the sample names of a metatomic neighbour list (System.add_neighbor_list)
 _PAIR_SAMPLES = ["first_atom", "second_atom", "cell_shift_a", "cell_shift_b", "cell_shift_c"]
@@ -194,7 +195,7 @@ def _placed(
     return positions, part
 
 
-class Metatomic(torch.nn.Module):
+class Metatomic(Addable, torch.nn.Module):
     """A metatomic ``AtomisticModel`` following the ``ShardModel`` protocol.
 
     Parameters

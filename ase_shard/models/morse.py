@@ -7,9 +7,10 @@ import torch
 
 from ase_shard import kernels
 from ase_shard.graph import EdgeList, LocalGraph
+from ase_shard.models.sum import Addable
 
 
-class Morse(torch.nn.Module):
+class Morse(Addable, torch.nn.Module):
     """Morse potential with ASE's quintic smooth cutoff.
 
     The pair energy ``epsilon * (exp(-2 rho0 (r/r0 - 1)) - 2 exp(-rho0 (r/r0 - 1)))``

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 import torch
 
 from ase_shard.graph import LocalGraph
+from ase_shard.models.sum import Addable
 
 # class names inside nequip models; compared by name so that models loaded
 # from a ``.nequip.zip`` package (classes re-imported by torch.package) match
@@ -138,7 +139,7 @@ def _type_lookup(type_names, species_map: Mapping[str, str] | None) -> dict[int,
     return lookup
 
 
-class NequIP(torch.nn.Module):
+class NequIP(Addable, torch.nn.Module):
     """Any NequIP-framework model (NequIP, Allegro) as a ``ShardedCalculator`` model.
 
     Parameters

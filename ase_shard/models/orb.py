@@ -82,6 +82,7 @@ from typing import Any
 import torch
 
 from ase_shard.graph import LocalGraph, PredictedForces
+from ase_shard.models.sum import Addable
 
 PREFIX = "orb-v3-conservative-"
 DIRECT_PREFIX = "orb-v3-direct-"
@@ -213,7 +214,7 @@ def capped_edges(centre: torch.Tensor, lengths: torch.Tensor, cap: int) -> torch
     return torch.sort(order[rank < cap]).values
 
 
-class Orb(torch.nn.Module):
+class Orb(Addable, torch.nn.Module):
     """An Orb-v3 potential (orb-models) following the ``ShardModel`` protocol.
 
     Parameters

@@ -26,6 +26,7 @@ import torch
 from ase.data import atomic_numbers
 
 from ase_shard.graph import LocalGraph
+from ase_shard.models.sum import Addable
 
 # module classes of an AtomGraphSequential that the adapter does not run:
 # positions -> edge vectors (the calculator supplies the vectors), the sum to a total
@@ -130,7 +131,7 @@ class CheckpointOutline:
     supports_layer_halo: bool = True
 
 
-class SevenNet(torch.nn.Module):
+class SevenNet(Addable, torch.nn.Module):
     """A SevenNet potential (sevenn) following the ``ShardModel`` protocol.
 
     Parameters

@@ -58,6 +58,7 @@ import numpy as np
 import torch
 
 from ase_shard.graph import LocalGraph
+from ase_shard.models.sum import Addable
 
 # fairchem's ranges for the total charge and the spin multiplicity
 # (fairchem.core.units.mlip_unit.api.inference)
@@ -137,7 +138,7 @@ def element_counts(atoms, size: int) -> list[float]:
     return np.bincount(numbers, minlength=size).astype(np.float64).tolist()
 
 
-class UMA(torch.nn.Module):
+class UMA(Addable, torch.nn.Module):
     """A fairchem UMA potential following the ``ShardModel`` protocol.
 
     Parameters
