@@ -80,6 +80,8 @@ def _c60() -> Atoms:
 AR = {"sigma": 3.4, "epsilon": 0.0104, "rc": 8.5}
 TINY_LJ = {"sigma": 1.0, "epsilon": 1.0, "rc": 4.0}
 MORSE_CU = {"epsilon": 0.35, "r0": 2.55, "rho0": 4.0}
+# a weak Lennard-Jones tail reaching further than EMT's 5.9 Å list (a term of sums)
+LJ_TAIL = {"sigma": 2.3, "epsilon": 0.02, "rc": 7.5}
 MORSE_C = {"epsilon": 2.0, "r0": 1.4, "rho0": 5.0, "rcut1": 1.6, "rcut2": 2.4}
 
 

@@ -14,6 +14,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("sevenn")
 
+from ase.calculators.lj import LennardJones as AseLennardJones  # noqa: E402
+from ase.calculators.mixing import SumCalculator  # noqa: E402
 from oracles import ase_results, relative_errors  # noqa: E402
 from sharded import (  # noqa: E402
     assert_close_to,
@@ -23,6 +25,7 @@ from sharded import (  # noqa: E402
     on_root,
 )
 from sync_count import assert_block_syncs_only, assert_split_equals_whole, reuse_step  # noqa: E402
+from systems import LJ_TAIL  # noqa: E402
 from test_sevenn import (  # noqa: E402
     F32_RTOL,
     RTOL64,
@@ -33,6 +36,7 @@ from test_sevenn import (  # noqa: E402
 )
 
 from ase_shard import ShardedCalculator  # noqa: E402
+from ase_shard.models import LennardJones  # noqa: E402
 from ase_shard.models.sevenn import SevenNet  # noqa: E402
 from ase_shard.partition import PARTITIONS  # noqa: E402
 
@@ -153,3 +157,34 @@ def test_split_full_halo_blocks_sum_to_one_block(tiny) -> None:
     model = SevenNet(tiny)
     atoms = tiny_systems()["slab"]
     assert_split_equals_whole(model, atoms, RTOL64)
+
+
+# ---------------------------------------------------------------- beside a pair term: Sum
+
+
+@pytest.fixture(scope="module")
+def sevennet_sum():
+    """SevenNet + a Lennard-Jones tail, and SevenNet's own calculator + ASE's (rank 0's)."""
+    # 3.5 Å, three message-passing layers (10.5 Å, past the pair term's 7.5), float64
+    network = tiny_sevennet(num_layers=3)
+
+    def reference() -> dict:
+        ref = SumCalculator([reference_calculator(network), AseLennardJones(**LJ_TAIL)])
+        return {name: ase_results(ref, atoms) for name, atoms in tiny_systems().items()}
+
+    return SevenNet(network) + LennardJones(**LJ_TAIL), tiny_systems(), on_root(reference)
+
+
+@pytest.mark.parametrize("halo", ["layer", "full"])
+@pytest.mark.parametrize("name", ["bulk", "slab", "cluster"])
+def test_message_passing_term_with_a_longer_pair_term(sevennet_sum, name: str, halo: str):
+    """A three-layer SevenNet (3.5 Å) plus a 7.5 Å Lennard-Jones tail equal SevenNet's own
+    calculator plus ASE's: with the layer halo the ghosts reach 7.5 Å, the longest
+    cutoff, and SevenNet exchanges its features through them between layers; with the
+    full halo they reach SevenNet's 10.5 Å."""
+    model, atoms_of, references = sevennet_sum
+    assert model.receptive_field == 10.5 and model.supports_layer_halo
+    calc = ShardedCalculator(model, halo=halo)
+    got = ase_results(calc, atoms_of[name])
+    assert_close_to(got, references[name], RTOL64)
+    assert_identical_on_all_ranks(got)

@@ -2,7 +2,8 @@
 
 Plain pytest runs one rank; ``mpirun -n P python -m pytest --with-mpi`` runs P (2, 3
 and 4 in ``make test``). Rank 0 computes the references, ASE's ``SumCalculator`` of
-ASE's EMT, Lennard-Jones and Morse and of SevenNet's own calculator, and broadcasts them.
+ASE's EMT, Lennard-Jones and Morse, and broadcasts them. A message-passing model in a
+sum: ``tests/test_sharded_sevenn.py``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from sharded import (
     on_root,
     results,
 )
-from systems import CASES, MORSE_CU
+from systems import CASES, LJ_TAIL, MORSE_CU
 
 from ase_shard import ShardedCalculator
 from ase_shard.block import SumBlock
@@ -32,8 +33,6 @@ from ase_shard.distributed import distribute
 from ase_shard.models import EMT, LennardJones, Morse, Sum
 
 RTOL64 = 1e-10
-# a weak Lennard-Jones tail reaching further than EMT's 5.9 Å list
-LJ_TAIL = {"sigma": 2.3, "epsilon": 0.02, "rc": 7.5}
 
 
 def builtin_sum() -> Sum:
@@ -120,6 +119,7 @@ def test_distributed_atoms(builtin_references) -> None:
     assert max(errors.values()) <= RTOL64, errors
 
 
+@pytest.mark.rank_independent
 def test_declarations() -> None:
     """A sum's reach is its longest term's; nested sums and ``+`` flatten; a term that
     predicts its forces is refused."""
@@ -134,38 +134,3 @@ def test_declarations() -> None:
 
     with pytest.raises(ValueError, match="predicts its forces"):
         Sum(emt, Predicting())
-
-
-# ---------------------------------------------------------------- an MLIP beside a pair term
-
-
-@pytest.fixture(scope="module")
-def sevennet_sum():
-    pytest.importorskip("sevenn")
-    from test_sevenn import reference_calculator, tiny_sevennet, tiny_systems
-
-    from ase_shard.models.sevenn import SevenNet
-
-    # 3.5 Å, three message-passing layers (10.5 Å, past the pair term's 7.5), float64
-    network = tiny_sevennet(num_layers=3)
-
-    def reference() -> dict:
-        ref = SumCalculator([reference_calculator(network), AseLennardJones(**LJ_TAIL)])
-        return {name: ase_results(ref, atoms) for name, atoms in tiny_systems().items()}
-
-    return SevenNet(network) + LennardJones(**LJ_TAIL), tiny_systems(), on_root(reference)
-
-
-@pytest.mark.parametrize("halo", ["layer", "full"])
-@pytest.mark.parametrize("name", ["bulk", "slab", "cluster"])
-def test_message_passing_term_with_a_longer_pair_term(sevennet_sum, name: str, halo: str):
-    """A three-layer SevenNet (3.5 Å) plus a 7.5 Å Lennard-Jones tail equal SevenNet's own
-    calculator plus ASE's: with the layer halo the ghosts reach 7.5 Å, the longest
-    cutoff, and SevenNet exchanges its features through them between layers; with the
-    full halo they reach SevenNet's 10.5 Å."""
-    model, atoms_of, references = sevennet_sum
-    assert model.receptive_field == 10.5 and model.supports_layer_halo
-    calc = ShardedCalculator(model, halo=halo)
-    got = ase_results(calc, atoms_of[name])
-    assert_close_to(got, references[name], RTOL64)
-    assert_identical_on_all_ranks(got)
