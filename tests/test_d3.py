@@ -39,21 +39,24 @@ CUTOFFS = dict(cutoff=9.7, cn_cutoff=7.9, atm_cutoff=5.3)
 VARIANTS = [("bj", False), ("bj", True), ("zero", False), ("zero", True)]
 
 
-def dftd3_calculator(
-    method: str, damping: str, atm: bool, cutoff: float, cn_cutoff: float, atm_cutoff: float
-):
-    """The oracle: ``dftd3``'s ASE calculator with these settings (cutoffs in Å)."""
+def dftd3_calculator(method: str, damping: str, atm: bool, **cutoffs: float):
+    """The oracle: ``dftd3``'s ASE calculator with these settings.
+
+    ``cutoffs`` (Å): ``cutoff``, ``cn_cutoff`` and ``atm_cutoff``, as :class:`D3` takes
+    them; none given leaves s-dftd3's defaults.
+    """
     from dftd3.ase import DFTD3
 
+    names = {"cutoff": "disp2", "cn_cutoff": "cn", "atm_cutoff": "disp3"}
     return DFTD3(
         method=method,
         damping="d3" + damping,
         params_tweaks={"method": method, "atm": atm},
-        realspace_cutoff={"disp2": cutoff, "disp3": atm_cutoff, "cn": cn_cutoff},
+        realspace_cutoff={names[key]: value for key, value in cutoffs.items()},
     )
 
 
-def dftd3_results(atoms: Atoms, method: str, damping: str, atm: bool, **cutoffs) -> dict:
+def dftd3_results(atoms: Atoms, method: str, damping: str, atm: bool, **cutoffs: float) -> dict:
     """Energy (eV), forces (eV/Å) and, with a cell, stress (eV/Å³) from ``dftd3``."""
     atoms = atoms.copy()
     atoms.calc = dftd3_calculator(method, damping, atm, **cutoffs)
@@ -204,14 +207,7 @@ def test_another_functional(damping: str) -> None:
 def test_default_cutoffs(system: str, damping: str, atm: bool) -> None:
     """s-dftd3's own cutoffs (31.75 Å pairs, 21.17 Å coordination numbers and triangles),
     unset on both sides; graphite's 4 atoms then have about 60,000 edges."""
-    from dftd3.ase import DFTD3
-
     atoms = d3_systems()[system]
-    oracle = DFTD3(method="pbe", damping="d3" + damping, params_tweaks={"method": "pbe", "atm": atm})
-    atoms_ref = atoms.copy()
-    atoms_ref.calc = oracle
-    ref = {"energy": np.asarray(atoms_ref.get_potential_energy()), "forces": atoms_ref.get_forces()}
-    if atoms.cell.rank == 3:
-        ref["stress"] = atoms_ref.get_stress()
+    ref = dftd3_results(atoms, "pbe", damping, atm)
     got = d3_results(ShardedCalculator(D3("pbe", damping, atm)), atoms)
     assert_matches_dftd3(got, ref)
