@@ -47,13 +47,14 @@ _ATM_RADIUS_SCALE = 4.0 / 3.0  # s-dftd3's rs9
 # mctc-lib's bohr in Å (mctc_io_convert), which s-dftd3's radii are in: hbar / (me c alpha)
 # from CODATA 2018, computed as there (ASE's 2018 units derive alpha from mu0, 3e-12 off)
 _CODATA_2018 = CODATA["2018"]
+_FINE_STRUCTURE_2018 = 7.2973525693e-3
 _MCTC_BOHR = (
     _CODATA_2018["_hplanck"]
     / (2.0 * math.pi)
-    / (_CODATA_2018["_me"] * _CODATA_2018["_c"] * 7.2973525693e-3)
+    / (_CODATA_2018["_me"] * _CODATA_2018["_c"] * _FINE_STRUCTURE_2018)
     * 1e10
 )
-_DAMPINGS = {"bj": "rational (Becke-Johnson)", "zero": "zero"}
+_DAMPINGS = ("bj", "zero")
 
 
 class D3(torch.nn.Module):
@@ -111,7 +112,7 @@ class D3(torch.nn.Module):
     ) -> None:
         super().__init__()
         if damping not in _DAMPINGS:
-            raise ValueError(f"damping must be one of {sorted(_DAMPINGS)}, not {damping!r}")
+            raise ValueError(f"damping must be one of {_DAMPINGS}, not {damping!r}")
         from tad_dftd3 import data, defaults, param, reference
         from tad_mctc.data import radii
         from tad_mctc.units.length import AU2AA
@@ -132,11 +133,12 @@ class D3(torch.nn.Module):
         # one row per atomic number (row 0 unused); missing references have CN -1
         self.register_buffer("reference_cn", tables.cn)
         self.register_buffer("reference_c6", tables.c6)  # (Z, Z, ref, ref), Hartree bohr^6
-        self.register_buffer("r4r2", data.R4R2(**dd))  # sqrt(Z)-scaled <r^4>/<r^2>, ...
-        # s-dftd3's radii are in mctc-lib's bohr, tad-mctc's in CODATA 2014's (1 + 4e-10
-        # times it, which moves energies by ~1e-9): back to Å with tad-mctc's, on with
-        # mctc-lib's. Its pairwise van der Waals radii are stored in float32: s-dftd3's
-        # are given to 4 decimals in Å, which rounding recovers.
+        # sqrt(0.5 sqrt(Z) <r^4>/<r^2>) per element, so that C8 = 3 r4r2_i r4r2_j C6
+        self.register_buffer("r4r2", data.R4R2(**dd))
+        # s-dftd3's radii are in mctc-lib's bohr, tad-mctc's in CODATA 2014's, 4e-10
+        # shorter (energies move by up to 1e-9): back to Å with tad-mctc's, on with
+        # mctc-lib's. tad-mctc stores the pairwise van der Waals radii in float32;
+        # s-dftd3 gives them to 4 decimals in Å, which rounding recovers.
         angstrom_to_bohr = 1.0 / _MCTC_BOHR
         covalent_radius = radii.COV_D3(**dd) * AU2AA * angstrom_to_bohr
         vdw_radius = torch.round(radii.VDW_PAIRWISE(**dd) * AU2AA, decimals=4) * angstrom_to_bohr
