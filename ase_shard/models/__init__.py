@@ -1,13 +1,15 @@
 """Torch potentials for ``ShardedCalculator``.
 
-``LennardJones``, ``Morse`` and ``EMT`` re-implement ASE's calculators. ``SevenNet``,
-``MACE``, ``NequIP``, ``CHGNet``, ``Metatomic``, ``UMA``, ``Orb`` and ``MatterSim`` wrap
-machine-learned potentials; their packages are imported only when a model is built (extras
-``ase-shard[sevenn]``, ``[mace]``, ``[nequip]``, ``[chgnet]``, ``[metatomic]``,
-``[fairchem]``, ``[orb]``, ``[mattersim]``). ``Sum`` adds models, each at its own cutoff.
+``LennardJones``, ``Morse`` and ``EMT`` re-implement ASE's calculators, ``D3`` the ``dftd3``
+package's DFT-D3 dispersion. ``SevenNet``, ``MACE``, ``NequIP``, ``CHGNet``, ``Metatomic``,
+``UMA``, ``Orb`` and ``MatterSim`` wrap machine-learned potentials. Their packages are
+imported only when a model is built (extras ``ase-shard[d3]``, ``[sevenn]``, ``[mace]``,
+``[nequip]``, ``[chgnet]``, ``[metatomic]``, ``[fairchem]``, ``[orb]``, ``[mattersim]``).
+``Sum`` (or ``+``) adds models, each at its own cutoff.
 """
 
 from ase_shard.models.chgnet import CHGNet
+from ase_shard.models.d3 import D3
 from ase_shard.models.emt import EMT
 from ase_shard.models.lj import LennardJones
 from ase_shard.models.mace import MACE
@@ -23,6 +25,7 @@ from ase_shard.models.uma import UMA
 __all__ = [
     "Allegro",
     "CHGNet",
+    "D3",
     "EMT",
     "LennardJones",
     "MACE",
