@@ -160,9 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
 # ----------------------------------------------------------------------------- models
 
 
-def _add_model_options(parser: argparse.ArgumentParser, bench: bool) -> None:
-    """``--model``, ``--modality`` and ``--interaction-range``, shared by ``md``,
-    ``bench`` and ``check``."""
+def _add_model_options(
+    parser: argparse.ArgumentParser, bench: bool, dispersion: bool = True
+) -> None:
+    """``--model``, ``--modality``, ``--interaction-range`` and (``dispersion``) ``--d3``,
+    shared by ``md``, ``bench`` and ``check`` (which compares a model with its package's
+    own calculator: no ``--d3``)."""
     more = (
         f"; {', '.join(BENCH_MODELS)}: random-weight models of the real architectures; "
         f"{NO_EDGE}: no pairs (--framework only)"
@@ -194,6 +197,14 @@ def _add_model_options(parser: argparse.ArgumentParser, bench: bool) -> None:
         help="a metatomic model's reach when it is longer than the model declares, which "
         "sets the halo (PET with metatrain's feedforward featurizer: (num_gnn_layers + 1) x "
         "cutoff; see docs/models.md)",
+    )
+    if not dispersion:
+        return
+    parser.add_argument(
+        "--d3",
+        metavar="METHOD",
+        help="add Grimme's D3(BJ) dispersion with the three-body term, with the damping "
+        "parameters of this functional (pbe, r2scan, b3lyp, ...; as the dftd3 package)",
     )
 
 
@@ -555,7 +566,7 @@ def _bench_model(spec: ModelSpec, atoms: Atoms, args: argparse.Namespace):
             seed=args.seed,
             **layers,
         )
-    return md.build_model(spec, args.modality, args.dtype, args.interaction_range)
+    return md.build_model(spec, args.modality, args.dtype, args.interaction_range, args.d3)
 
 
 # ----------------------------------------------------------------------------- info
@@ -659,7 +670,7 @@ def add_check(subparsers: argparse._SubParsersAction) -> None:
         "the dtype (1e-8 float64, 1e-5 float32), 1 some difference above it, 2 usage or "
         "input error.",
     )
-    _add_model_options(check, bench=False)
+    _add_model_options(check, bench=False, dispersion=False)
     check.add_argument(
         "--elements",
         metavar="A,B",

@@ -116,6 +116,7 @@ MODEL_KEY = "md_model"  # ... and the run's Physics
 PARAMETERS_KEY = "md_model_parameters"
 MODALITY_KEY = "md_modality"
 INTERACTION_RANGE_KEY = "md_interaction_range_A"
+D3_KEY = "md_d3"
 TEMPERATURE_KEY = "md_temperature_K"
 COMPRESSIBILITY_KEY = "md_compressibility_per_bar"
 
@@ -152,6 +153,8 @@ class Physics:
         1/bar: the barostat's.
     interaction_range : float or None
         Å: ``--interaction-range`` (a metatomic model's halo).
+    d3 : str or None
+        ``--d3``: the functional whose D3(BJ) dispersion is added to the model.
     """
 
     model: str
@@ -160,6 +163,7 @@ class Physics:
     temperature: float
     compressibility: float
     interaction_range: float | None = None
+    d3: str | None = None
 
     def info(self) -> dict[str, str | float]:
         """The ``atoms.info`` entries. Empty strings are left out: extended XYZ
@@ -172,6 +176,7 @@ class Physics:
             TEMPERATURE_KEY: self.temperature,
             COMPRESSIBILITY_KEY: self.compressibility,
             INTERACTION_RANGE_KEY: "" if reach is None else reach,
+            D3_KEY: self.d3 or "",
         }
         return {key: value for key, value in entries.items() if value != ""}
 
@@ -182,6 +187,7 @@ class Physics:
             return None
         modality = info.get(MODALITY_KEY)
         reach = info.get(INTERACTION_RANGE_KEY)
+        d3 = info.get(D3_KEY)
         return cls(
             model=str(info[MODEL_KEY]),
             parameters=str(info.get(PARAMETERS_KEY, "")),
@@ -189,6 +195,7 @@ class Physics:
             temperature=float(info[TEMPERATURE_KEY]),
             compressibility=float(info[COMPRESSIBILITY_KEY]),
             interaction_range=None if reach is None else float(reach),
+            d3=None if d3 is None else str(d3),
         )
 
     @property
@@ -206,11 +213,12 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
             f"--distributed runs {' and '.join(DISTRIBUTED_ENSEMBLES)}, not {args.ensemble}: "
             "the Berendsen integrators' centre-of-mass fix sums each rank's atoms only"
         )
-    modality, reach = args.modality, args.interaction_range
+    modality, reach, d3 = args.modality, args.interaction_range, args.d3
     if args.restart is not None:
         atoms, start, recorded = read_restart(args.restart)
         spec, modality = restart_model(args.restart, recorded, spec, modality)
-        reach = restart_interaction_range(args.restart, recorded, reach)
+        reach = restart_option(args.restart, "interaction_range", recorded, reach)
+        d3 = restart_option(args.restart, "d3", recorded, d3)
         defaults = FILE_DEFAULTS if recorded is None else recorded.defaults
         label = f"{args.restart} from step {start.step}"
     else:
@@ -222,6 +230,7 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
         parameters=model_parameters(spec),
         modality=modality,
         interaction_range=reach,
+        d3=d3,
         temperature=target,
         compressibility=(
             defaults.compressibility if args.compressibility is None else args.compressibility
@@ -233,7 +242,7 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
         thermalise(atoms, target, rng)
     if args.distributed:
         atoms = distribute(atoms)  # every rank holds the same atoms: each keeps its share
-    calc = make_calculator(build_model(spec, modality, args.dtype, reach), args)
+    calc = make_calculator(build_model(spec, modality, args.dtype, reach, d3), args)
     atoms.calc = calc
     dyn = make_dynamics(atoms, args, physics, rng)
     if draw:
@@ -317,10 +326,28 @@ def build_model(
     modality: str | None,
     dtype: str | None = None,
     interaction_range: float | None = None,
+    d3: str | None = None,
 ) -> torch.nn.Module:
     """The torch model of a resolved ``--model`` (identical on every rank); ``dtype``
     (``--dtype``) for the models that are built in their precision (UMA);
-    ``interaction_range`` (``--interaction-range``, Å) for metatomic models."""
+    ``interaction_range`` (``--interaction-range``, Å) for metatomic models; ``d3``
+    (``--d3 METHOD``): plus that functional's D3(BJ) dispersion with the three-body term
+    (:class:`ase_shard.models.D3`), a :class:`ase_shard.models.Sum`."""
+    model = _built_model(spec, modality, dtype, interaction_range)
+    if d3 is None:
+        return model
+    from ase_shard.models import D3
+
+    try:
+        return model + D3(method=d3)
+    except (KeyError, ValueError) as exc:
+        raise CLIError(f"--d3 {d3}: {exc}") from None
+
+
+def _built_model(
+    spec: ModelSpec, modality: str | None, dtype: str | None, interaction_range: float | None
+) -> torch.nn.Module:
+    """:func:`build_model` without the dispersion term."""
     if modality is not None and spec.kind not in ("sevenn", "mace", "uma"):
         raise CLIError(f"--modality applies to SevenNet, MACE and UMA models, not {spec.label}")
     if interaction_range is not None and spec.kind != "metatomic":
@@ -450,26 +477,28 @@ def restart_model(
     return model, recorded.modality
 
 
-def restart_interaction_range(
-    path: str, recorded: Physics | None, given: float | None
-) -> float | None:
-    """The ``--interaction-range`` of ``--restart path``: the recorded one; ``given`` (the
-    command line's) where nothing is recorded.
+def restart_option(
+    path: str, option: str, recorded: Physics | None, given: float | str | None
+) -> float | str | None:
+    """A model option of ``--restart path`` (``option``: ``"interaction_range"`` or
+    ``"d3"``): the recorded value; ``given`` (the command line's) where nothing is
+    recorded.
 
     Raises
     ------
     CLIError
-        When the command line gives another range than the record.
+        When the command line gives another value than the record.
     """
     if recorded is None:
         return given
-    if given is not None and given != recorded.interaction_range:
-        was = recorded.interaction_range
+    was = getattr(recorded, option)
+    if given is not None and given != was:
+        flag = "--" + option.replace("_", "-")
         raise CLIError(
-            f"--restart {path} was written with --interaction-range "
-            f"{'(none)' if was is None else f'{was:g}'}, not {given:g}"
+            f"--restart {path} was written with {flag} {'(none)' if was is None else was}, "
+            f"not {given}"
         )
-    return recorded.interaction_range
+    return was
 
 
 def model_parameters(spec: ModelSpec) -> str:

@@ -213,3 +213,37 @@ def test_default_cutoffs(system: str, damping: str, atm: bool) -> None:
     ref = dftd3_results(atoms, "pbe", damping, atm)
     got = d3_results(ShardedCalculator(D3("pbe", damping, atm)), atoms)
     assert_matches_dftd3(got, ref)
+
+
+def test_cli_d3_adds_dispersion_and_is_recorded(tmp_path, capsys) -> None:
+    """``ase-shard md --model emt --d3 pbe`` runs EMT + D3(BJ, three-body term): its frames
+    hold the energy of ASE's SumCalculator of ASE's EMT and dftd3's calculator, and record
+    ``pbe``; a restart keeps it and refuses another; an unknown functional exits 2."""
+    from ase.calculators.emt import EMT as AseEMT
+    from ase.calculators.mixing import SumCalculator
+    from ase.io import read, write
+
+    from ase_shard.cli import main
+
+    start = tmp_path / "ethanol.xyz"
+    write(start, molecule("CH3CH2OH"))
+    traj = tmp_path / "run.traj"
+    run = ["md", str(start), "--model", "emt", "--steps", "2", "--interval", "1", "--no-progress"]
+    assert main([*run, "--d3", "pbe", "--trajectory", str(traj)]) == 0
+    frames = read(traj, ":")
+    assert [frame.info["md_d3"] for frame in frames] == ["pbe"] * 3
+    frame = frames[-1]
+    reference = frame.copy()
+    reference.calc = SumCalculator([AseEMT(), dftd3_calculator("pbe", "bj", True)])
+    expected = reference.get_potential_energy()
+    assert abs(frame.get_potential_energy() - expected) <= RTOL * abs(expected)
+    np.testing.assert_allclose(frame.get_forces(), reference.get_forces(), rtol=0, atol=1e-10)
+    assert main(["md", "--restart", str(traj), "--steps", "1", "--no-progress"]) == 0
+    assert read(traj, -1).info["md_d3"] == "pbe"
+    capsys.readouterr()
+    for arguments, message in (
+        (["--restart", str(traj), "--d3", "r2scan"], "written with --d3 pbe, not r2scan"),
+        ([str(start), "--model", "emt", "--d3", "no-such-functional"], "--d3 no-such-functional"),
+    ):
+        assert main(["md", "--steps", "1", *arguments]) == 2
+        assert message in capsys.readouterr().err

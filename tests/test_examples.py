@@ -67,11 +67,18 @@ def launch_md_7net0(folder: Path) -> str:
     return run_example("md_7net0.py", "--steps", "5", timeout=300)
 
 
+def launch_md_7net0_d3(folder: Path) -> str:
+    pytest.importorskip("sevenn")
+    pytest.importorskip("dftd3")
+    return run_example("md_7net0.py", "--steps", "5", "--d3", "pbe", timeout=300)
+
+
 # Every test runs one example: the runs go two at a time in the background from the
 # module's first test on, the longest first (tests/background.py); each test checks
 # what its own run printed. One run is one process on one core.
 LAUNCHES = {
     "test_md_with_pretrained_7net0": launch_md_7net0,
+    "test_md_with_7net0_plus_d3": launch_md_7net0_d3,
     "test_md_demo_conserves_energy_and_reports": lambda folder: run_example(
         "md_cu.py", "--size", "3", "--steps", "20", "--print-every", "5"
     ),
@@ -128,6 +135,13 @@ def test_md_with_pretrained_7net0(launched: str):
     assert "7net-0 (cutoff 5.0 Å, 5 layers)" in out
     first = re.search(rf"^\s+0\s+{FLOAT}\s+{FLOAT}\s+({FLOAT})$", out, re.M)
     assert first and first.group(1) == "300.0", out  # T at step 0: the 300 K asked for
+    drift = float(re.search(r"drift ([-+0-9.e]+) eV/atom", out).group(1))
+    assert abs(drift) < 1e-3
+
+
+def test_md_with_7net0_plus_d3(launched: str):
+    out = launched
+    assert "7net-0 (cutoff 5.0 Å, 5 layers) + D3(BJ) pbe" in out
     drift = float(re.search(r"drift ([-+0-9.e]+) eV/atom", out).group(1))
     assert abs(drift) < 1e-3
 

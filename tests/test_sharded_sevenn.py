@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("sevenn")
@@ -187,4 +189,38 @@ def test_message_passing_term_with_a_longer_pair_term(sevennet_sum, name: str, h
     calc = ShardedCalculator(model, halo=halo)
     got = ase_results(calc, atoms_of[name])
     assert_close_to(got, references[name], RTOL64)
+    assert_identical_on_all_ranks(got)
+
+
+def test_7net0_plus_d3(sevennet0, sevennet0_calculator) -> None:
+    """7net-0 + D3(BJ) with the three-body term (``7net-0 + D3()``, as ``ase-shard md
+    --model 7net-0 --d3 pbe`` builds it) equals ASE's SumCalculator of SevenNet's own
+    calculator and the dftd3 package's (energy, forces, stress: dftd3's gives no
+    per-atom energies), to the float32 model's precision (the sum runs in 7net-0's
+    float32); D3's cutoffs shortened alike in both (tests/test_d3.py)."""
+    pytest.importorskip("dftd3")
+    from test_d3 import CUTOFFS, dftd3_calculator, dftd3_results
+
+    from ase_shard.models import D3
+
+    atoms = dilute_periodic(n_atoms=16, box=16.0, seed=1)
+
+    def reference() -> tuple[dict, dict]:
+        dispersion = dftd3_calculator("pbe", "bj", True, **CUTOFFS)
+        summed = atoms.copy()
+        summed.calc = SumCalculator([sevennet0_calculator(), dispersion])
+        ref = {
+            "energy": np.asarray(summed.get_potential_energy()),
+            "forces": summed.get_forces(),
+            "stress": summed.get_stress(),
+        }
+        return ref, dftd3_results(atoms, "pbe", "bj", True, **CUTOFFS)
+
+    ref, d3_alone = on_root(reference)
+    assert abs(d3_alone["energy"]) > 1e-3 * abs(ref["energy"])  # D3 weighs in
+    calc = ShardedCalculator(sevennet0 + D3(**CUTOFFS))
+    got = ase_results(calc, atoms)
+    assert calc.dtype == torch.float32
+    errors = relative_errors(got, ref)
+    assert all(errors[key] <= F32_RTOL[key] for key in errors), errors
     assert_identical_on_all_ranks(got)
