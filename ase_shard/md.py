@@ -344,6 +344,18 @@ def build_model(
         raise CLIError(f"--d3 {d3}: {exc}") from None
 
 
+@contextlib.contextmanager
+def _option_error(spec: ModelSpec, word: str, option: str):
+    """A model's ``ValueError`` that mentions ``word`` as a one-line ``CLIError`` naming the
+    command-line ``option`` that set it; any other error as it is."""
+    try:
+        yield
+    except ValueError as exc:
+        if word not in str(exc):
+            raise
+        raise CLIError(f"--model {spec.label}: {exc} (option {option})") from None
+
+
 def _built_model(
     spec: ModelSpec, modality: str | None, dtype: str | None, interaction_range: float | None
 ) -> torch.nn.Module:
@@ -357,12 +369,8 @@ def _built_model(
     if spec.kind == "sevenn":
         from ase_shard.models import SevenNet
 
-        try:
+        with _option_error(spec, "modal", "--modality"):
             return SevenNet(spec.source, modal=modality)
-        except ValueError as exc:
-            if "modal" not in str(exc):
-                raise
-            raise CLIError(f"--model {spec.label}: {exc} (option --modality)") from None
     if spec.kind == "mace":
         from ase_shard.models import MACE
 
@@ -374,23 +382,15 @@ def _built_model(
     if spec.kind == "metatomic":
         from ase_shard.models import Metatomic
 
-        try:
+        with _option_error(spec, "interaction_range", "--interaction-range"):
             return Metatomic(spec.source, interaction_range=interaction_range)
-        except ValueError as exc:
-            if "interaction_range" not in str(exc):
-                raise
-            raise CLIError(f"--model {spec.label}: {exc} (option --interaction-range)") from None
     if spec.kind == "uma":
         from ase_shard.models import UMA
 
-        try:
-            # fairchem builds its constant buffers in the model's precision
-            precision = torch.float64 if dtype == "float64" else torch.float32
+        # fairchem builds its constant buffers in the model's precision
+        precision = torch.float64 if dtype == "float64" else torch.float32
+        with _option_error(spec, "task", "--modality"):
             return UMA(spec.source, task=modality, dtype=precision)
-        except ValueError as exc:
-            if "task" not in str(exc):
-                raise
-            raise CLIError(f"--model {spec.label}: {exc} (option --modality)") from None
     if spec.kind == "orb":
         from ase_shard.models import Orb
 

@@ -23,7 +23,7 @@ pytest.importorskip("tad_dftd3")
 from ase import Atoms  # noqa: E402
 from ase.build import add_adsorbate, fcc111, molecule  # noqa: E402
 from ase.units import Bohr  # noqa: E402
-from oracles import relative_errors  # noqa: E402
+from oracles import ase_results, relative_errors  # noqa: E402
 
 from ase_shard import ShardedCalculator  # noqa: E402
 from ase_shard.models import D3  # noqa: E402
@@ -63,20 +63,6 @@ def dftd3_results(atoms: Atoms, method: str, damping: str, atm: bool, **cutoffs:
     atoms = atoms.copy()
     atoms.calc = dftd3_calculator(method, damping, atm, **cutoffs)
     out = {"energy": np.asarray(atoms.get_potential_energy()), "forces": atoms.get_forces()}
-    if atoms.cell.rank == 3:
-        out["stress"] = atoms.get_stress()
-    return out
-
-
-def d3_results(calc, atoms: Atoms) -> dict:
-    """The same quantities from ``calc`` (ShardedCalculator), and its per-atom energies."""
-    atoms = atoms.copy()
-    atoms.calc = calc
-    out = {
-        "energy": np.asarray(atoms.get_potential_energy()),
-        "energies": atoms.get_potential_energies(),
-        "forces": atoms.get_forces(),
-    }
     if atoms.cell.rank == 3:
         out["stress"] = atoms.get_stress()
     return out
@@ -177,7 +163,7 @@ def test_declarations() -> None:
 def test_matches_dftd3(system: str, damping: str, atm: bool) -> None:
     atoms = d3_systems()[system]
     ref = dftd3_results(atoms, "pbe", damping, atm, **CUTOFFS)
-    got = d3_results(ShardedCalculator(D3("pbe", damping, atm, **CUTOFFS)), atoms)
+    got = ase_results(ShardedCalculator(D3("pbe", damping, atm, **CUTOFFS)), atoms)
     assert_matches_dftd3(got, ref)
     # nothing is zero by accident
     assert np.abs(ref["forces"]).max() > 1e-4
@@ -198,7 +184,7 @@ def test_another_functional(damping: str) -> None:
     """B3LYP's parameters, looked up by name as ``dftd3`` does."""
     atoms = d3_systems()["crystal"]
     ref = dftd3_results(atoms, "b3lyp", damping, True, **CUTOFFS)
-    got = d3_results(ShardedCalculator(D3("b3lyp", damping, True, **CUTOFFS)), atoms)
+    got = ase_results(ShardedCalculator(D3("b3lyp", damping, True, **CUTOFFS)), atoms)
     assert_matches_dftd3(got, ref)
 
 
@@ -211,7 +197,7 @@ def test_default_cutoffs(system: str, damping: str, atm: bool) -> None:
     unset on both sides; graphite's 4 atoms then have about 60,000 edges."""
     atoms = d3_systems()[system]
     ref = dftd3_results(atoms, "pbe", damping, atm)
-    got = d3_results(ShardedCalculator(D3("pbe", damping, atm)), atoms)
+    got = ase_results(ShardedCalculator(D3("pbe", damping, atm)), atoms)
     assert_matches_dftd3(got, ref)
 
 
