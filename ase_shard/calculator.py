@@ -41,6 +41,7 @@ from ase_shard.graph import (
     model_digest,
     predicts_forces,
     supports_layer_halo,
+    uses_positions,
 )
 from ase_shard.inputs import ModelInputs, unpack
 from ase_shard.layouts import (
@@ -126,7 +127,8 @@ class ShardedCalculator(Calculator):
     Results (eV, eV/Å, eV/Å³) equal the serial evaluation to round-off and are
     bitwise identical on every rank. ``stress``/``stresses`` exist only when the
     cell has rank 3; ``stresses`` not for a model that predicts its forces and
-    stress (:class:`ase_shard.graph.PredictedForces`).
+    stress (:class:`ase_shard.graph.PredictedForces`), nor for one whose energy
+    reads absolute positions (``uses_positions``, e.g. a ``Coulomb`` term).
 
     The arguments are checked when the calculator is made, on every rank: a
     model that does not follow the protocol raises ``TypeError``, any other
@@ -173,8 +175,9 @@ class ShardedCalculator(Calculator):
         )
         self.parameters.update(self.settings.parameters(model))
         self.inputs = ModelInputs.of(model)
-        if predicts_forces(self.model):
-            # a predicted stress has no per-atom split (ase_shard.graph.PredictedForces)
+        if predicts_forces(self.model) or uses_positions(self.model):
+            # a predicted stress, or a reciprocal-space sum's, has no per-atom split
+            # (ase_shard.graph.PredictedForces, ShardModel's uses_positions)
             self.implemented_properties = [
                 name for name in self.implemented_properties if name != "stresses"
             ]

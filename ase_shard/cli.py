@@ -245,6 +245,14 @@ def add_md(subparsers: argparse._SubParsersAction) -> None:
         "--model is refused), and append to it",
     )
     _add_model_options(md, bench=False)
+    md.add_argument(
+        "--coulomb",
+        choices=("ewald", "pme"),
+        help="add the electrostatic energy of the structure's initial charges (e.g. an "
+        "extended XYZ file's initial_charges), by Ewald or PME with torch-pme's kernels: 8 Å "
+        "real-space cutoff, accuracy 1e-6 (docs/models.md); the cell must be periodic along "
+        "all three axes",
+    )
     md.add_argument("--ensemble", choices=ENSEMBLES, default="nve", help="default nve")
     md.add_argument("--steps", type=NON_NEGATIVE_INT, default=100, help="MD steps (default 100)")
     md.add_argument("--timestep", type=POSITIVE, default=2.0, help="fs (default 2)")
@@ -707,6 +715,10 @@ def models_report() -> list[str]:
                 seen[key] = f"cannot be built here: {type(exc).__name__}: {exc}"
         return seen[key]
 
+    # first: torch-pme's TorchScript fails to compile once torch_geometric (which
+    # mattersim imports) has replaced torch.index_select
+    d3 = _package_state("tad_dftd3", "tad-dftd3")
+    coulomb = _package_state("torchpme", "torch-pme")
     lines = ["built-in       " + ", ".join(BUILTIN_MODELS)]
     lines += [f"  {name:<17} {described(name)}" for name in BUILTIN_MODELS]
     shipped = shipped_checkpoints()
@@ -735,6 +747,15 @@ def models_report() -> list[str]:
     for name, version in CHGNET_MODELS.items():
         about = described(name) if state.startswith("yes") else "not installed"
         lines.append(f"  {name:<17} {version}: {about}")
+    lines.append("added terms    (`ase-shard md` adds them to any --model)")
+    lines.append(
+        f"  {'--d3 METHOD':<17} D3 dispersion, BJ damping with the three-body term, a "
+        f"functional's parameters (pbe, r2scan, b3lyp, ...): {d3}"
+    )
+    lines.append(
+        f"  {'--coulomb KIND':<17} Ewald or PME electrostatics of the initial charges: "
+        f"{coulomb}"
+    )
     lines.append("model files    (`ase-shard info --model FILE` describes one)")
     for ending, (kind, what) in MODEL_FILES.items():
         lines.append(f"  {ending:<17} {what}: {_adapter_state(kind)}")
@@ -745,7 +766,11 @@ def models_report() -> list[str]:
 
 def _adapter_state(kind: str) -> str:
     """Whether the package an adapter needs imports here, and its version."""
-    module, distribution = ADAPTER_PACKAGES[kind]
+    return _package_state(*ADAPTER_PACKAGES[kind])
+
+
+def _package_state(module: str, distribution: str) -> str:
+    """Whether ``module`` imports here, and ``distribution``'s version."""
     try:
         importlib.import_module(module)
     except Exception as exc:  # not installed, or broken: either way the adapter cannot load

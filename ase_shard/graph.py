@@ -112,15 +112,18 @@ class LocalGraph:
         its atom, a ghost at the image of its atom that its edges reach).
         Given only to a model that predicts its forces
         (:class:`PredictedForces`): they are not the gradient of an energy, so
-        nothing forbids it absolute geometry. ``None`` for every other model,
-        which sees geometry only through ``edge_vectors``.
+        nothing forbids it absolute geometry; and to a model that declares
+        ``uses_positions`` (a reciprocal-space sum), differentiable. ``None``
+        for every other model, which sees geometry only through
+        ``edge_vectors``.
     cell : torch.Tensor or None
         ``(3, 3)`` the system's cell in Å in the model's dtype (zeros where
         the ``Atoms`` have none), a constant: the calculator's stress comes
         from ``edge_vectors``, so a model that needs the cell in its energy
         forms it from them (the metatomic adapter takes from it only which
-        periodic image an edge reaches). Given to every model by the
-        calculator; ``None`` in graphs built by hand.
+        periodic image an edge reaches). Differentiable for a model that
+        declares ``uses_positions``. Given to every model by the calculator;
+        ``None`` in graphs built by hand.
     """
 
     numbers: torch.Tensor
@@ -171,6 +174,17 @@ class ShardModel(Protocol):
     A model whose forces and stress are outputs of its network, not the
     gradient of its energy, declares ``predicts_forces = True`` and returns a
     :class:`PredictedForces` instead of energies.
+
+    A model whose energy depends on absolute positions and the cell, not only
+    on edges (the reciprocal-space sum of Ewald or PME), declares
+    ``uses_positions = True``: ``graph.positions`` and ``graph.cell`` are then
+    differentiable, both strained by one strain tensor, and the calculator adds
+    ``-dE/dpositions`` to the forces and ``dE/dstrain`` to the virial. What
+    depends on every rank's atoms (structure factors, a charge mesh) goes
+    through ``graph.system_sum``; since that sum is a constant for autograd,
+    the model arranges its energy's gradient to be complete (see
+    :class:`ase_shard.models.Coulomb`). Per-atom stresses are not defined for
+    such a model (``calc.get_stresses()`` is refused).
     """
 
     cutoff: float
@@ -227,6 +241,12 @@ class PredictedForces:
 def predicts_forces(model: ShardModel) -> bool:
     """Whether the model returns :class:`PredictedForces` (``predicts_forces = True``)."""
     return bool(getattr(model, "predicts_forces", False))
+
+
+def uses_positions(model: ShardModel) -> bool:
+    """Whether the model's energy reads absolute positions and the cell
+    (``uses_positions = True``; a :class:`~ase_shard.models.Sum` with such a term)."""
+    return bool(getattr(model, "uses_positions", False))
 
 
 # what every model declares (see ShardModel); forward is checked apart

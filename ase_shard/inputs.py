@@ -125,7 +125,11 @@ def take_rows(array: np.ndarray, rows: np.ndarray | slice) -> np.ndarray:
 def pack(arrays: Mapping[str, np.ndarray], rows: np.ndarray | slice) -> np.ndarray:
     """Rows ``rows`` of the (one or more) per-atom arrays side by side, ``(n, k)`` float64."""
     columns = [take_rows(value, rows) for value in arrays.values()]
-    return np.concatenate([column.reshape(len(column), -1) for column in columns], axis=1)
+    # each array's width given, not inferred: a rank may pack no rows
+    return np.concatenate(
+        [column.reshape(len(column), int(np.prod(column.shape[1:]))) for column in columns],
+        axis=1,
+    )
 
 
 def unpack(packed: np.ndarray, shapes: Mapping[str, Sequence[int]]) -> dict[str, np.ndarray]:

@@ -117,6 +117,7 @@ PARAMETERS_KEY = "md_model_parameters"
 MODALITY_KEY = "md_modality"
 INTERACTION_RANGE_KEY = "md_interaction_range_A"
 D3_KEY = "md_d3"
+COULOMB_KEY = "md_coulomb"
 TEMPERATURE_KEY = "md_temperature_K"
 COMPRESSIBILITY_KEY = "md_compressibility_per_bar"
 
@@ -155,6 +156,8 @@ class Physics:
         Å: ``--interaction-range`` (a metatomic model's halo).
     d3 : str or None
         ``--d3``: the functional whose D3(BJ) dispersion is added to the model.
+    coulomb : str or None
+        ``--coulomb``: ``"ewald"`` or ``"pme"``, the electrostatics added to the model.
     """
 
     model: str
@@ -164,6 +167,7 @@ class Physics:
     compressibility: float
     interaction_range: float | None = None
     d3: str | None = None
+    coulomb: str | None = None
 
     def info(self) -> dict[str, str | float]:
         """The ``atoms.info`` entries. Empty strings are left out: extended XYZ
@@ -177,6 +181,7 @@ class Physics:
             COMPRESSIBILITY_KEY: self.compressibility,
             INTERACTION_RANGE_KEY: "" if reach is None else reach,
             D3_KEY: self.d3 or "",
+            COULOMB_KEY: self.coulomb or "",
         }
         return {key: value for key, value in entries.items() if value != ""}
 
@@ -187,7 +192,7 @@ class Physics:
             return None
         modality = info.get(MODALITY_KEY)
         reach = info.get(INTERACTION_RANGE_KEY)
-        d3 = info.get(D3_KEY)
+        d3, coulomb = info.get(D3_KEY), info.get(COULOMB_KEY)
         return cls(
             model=str(info[MODEL_KEY]),
             parameters=str(info.get(PARAMETERS_KEY, "")),
@@ -196,6 +201,7 @@ class Physics:
             compressibility=float(info[COMPRESSIBILITY_KEY]),
             interaction_range=None if reach is None else float(reach),
             d3=None if d3 is None else str(d3),
+            coulomb=None if coulomb is None else str(coulomb),
         )
 
     @property
@@ -213,17 +219,23 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
             f"--distributed runs {' and '.join(DISTRIBUTED_ENSEMBLES)}, not {args.ensemble}: "
             "the Berendsen integrators' centre-of-mass fix sums each rank's atoms only"
         )
-    modality, reach, d3 = args.modality, args.interaction_range, args.d3
+    modality, reach, d3, coulomb = args.modality, args.interaction_range, args.d3, args.coulomb
     if args.restart is not None:
         atoms, start, recorded = read_restart(args.restart)
         spec, modality = restart_model(args.restart, recorded, spec, modality)
         reach = restart_option(args.restart, "interaction_range", recorded, reach)
         d3 = restart_option(args.restart, "d3", recorded, d3)
+        coulomb = restart_option(args.restart, "coulomb", recorded, coulomb)
         defaults = FILE_DEFAULTS if recorded is None else recorded.defaults
         label = f"{args.restart} from step {start.step}"
     else:
         (atoms, defaults, label), start = load_system(args), Start()
         spec = spec or resolve_model(defaults.model)
+    if coulomb is not None and not atoms.get_initial_charges().any():
+        raise CLIError(
+            f"--coulomb {coulomb}: {label} holds no charges (its initial charges are all "
+            "zero): give a structure with them, e.g. extended XYZ with initial_charges"
+        )
     target = defaults.temperature if args.temperature is None else args.temperature
     physics = Physics(
         model=spec.argument,
@@ -231,6 +243,7 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
         modality=modality,
         interaction_range=reach,
         d3=d3,
+        coulomb=coulomb,
         temperature=target,
         compressibility=(
             defaults.compressibility if args.compressibility is None else args.compressibility
@@ -242,7 +255,7 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
         thermalise(atoms, target, rng)
     if args.distributed:
         atoms = distribute(atoms)  # every rank holds the same atoms: each keeps its share
-    calc = make_calculator(build_model(spec, modality, args.dtype, reach, d3), args)
+    calc = make_calculator(build_model(spec, modality, args.dtype, reach, d3, coulomb), args)
     atoms.calc = calc
     dyn = make_dynamics(atoms, args, physics, rng)
     if draw:
@@ -327,21 +340,26 @@ def build_model(
     dtype: str | None = None,
     interaction_range: float | None = None,
     d3: str | None = None,
+    coulomb: str | None = None,
 ) -> torch.nn.Module:
     """The torch model of a resolved ``--model`` (identical on every rank); ``dtype``
     (``--dtype``) for the models that are built in their precision (UMA);
     ``interaction_range`` (``--interaction-range``, Å) for metatomic models; ``d3``
     (``--d3 METHOD``): plus that functional's D3(BJ) dispersion with the three-body term
-    (:class:`ase_shard.models.D3`), a :class:`ase_shard.models.Sum`."""
-    model = _built_model(spec, modality, dtype, interaction_range)
-    if d3 is None:
-        return model
-    from ase_shard.models import D3
+    (:class:`ase_shard.models.D3`); ``coulomb`` (``--coulomb ewald|pme``): plus the
+    electrostatics of the initial charges (:class:`ase_shard.models.Coulomb`); with
+    either, a :class:`ase_shard.models.Sum`."""
+    from ase_shard.models import D3, Coulomb
 
-    try:
-        return model + D3(method=d3)
-    except (KeyError, ValueError) as exc:
-        raise CLIError(f"--d3 {d3}: {exc}") from None
+    model = _built_model(spec, modality, dtype, interaction_range)
+    if d3 is not None:
+        try:
+            model = model + D3(method=d3)
+        except (KeyError, ValueError) as exc:
+            raise CLIError(f"--d3 {d3}: {exc}") from None
+    if coulomb is not None:
+        model = model + Coulomb(method=coulomb)
+    return model
 
 
 @contextlib.contextmanager
@@ -480,8 +498,8 @@ def restart_model(
 def restart_option(
     path: str, option: str, recorded: Physics | None, given: float | str | None
 ) -> float | str | None:
-    """A model option of ``--restart path`` (``option``: ``"interaction_range"`` or
-    ``"d3"``): the recorded value; ``given`` (the command line's) where nothing is
+    """A model option of ``--restart path`` (``option``: ``"interaction_range"``,
+    ``"d3"`` or ``"coulomb"``): the recorded value; ``given`` (the command line's) where nothing is
     recorded.
 
     Raises

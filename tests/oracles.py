@@ -100,3 +100,68 @@ def rel_err(value: np.ndarray, ref: np.ndarray) -> float:
 def relative_errors(got: dict, ref: dict) -> dict[str, float]:
     """Max-abs error over max-abs reference, for every key of ``ref``."""
     return {key: rel_err(np.asarray(got[key]), np.asarray(ref[key])) for key in ref}
+
+
+def torchpme_results(coulomb, atoms: Atoms) -> dict[str, np.ndarray]:
+    """Energy, per-atom energies, forces and stress from torch-pme's own calculator.
+
+    ``torchpme.EwaldCalculator`` or ``PMECalculator`` with ``coulomb``'s method and
+    parameters (:class:`ase_shard.models.Coulomb`'s attributes), in one process, given
+    every pair within ``coulomb.cutoff`` from ASE's neighbour list; the charges are
+    ``atoms``' initial charges or, for a charge model, the model's on the pairs within
+    its cutoff. Energy ``sum_i q_i V_i``, forces and stress by autograd through the
+    positions and a strain of positions and cell together.
+    """
+    import torchpme
+    from ase.neighborlist import neighbor_list
+
+    potential = torchpme.CoulombPotential(
+        smearing=coulomb.smearing, prefactor=torchpme.prefactors.eV_A
+    )
+    if coulomb.method == "ewald":
+        calculator = torchpme.EwaldCalculator(
+            potential, lr_wavelength=coulomb.lr_wavelength, full_neighbor_list=True
+        )
+    else:
+        calculator = torchpme.PMECalculator(
+            potential, mesh_spacing=coulomb.mesh_spacing, full_neighbor_list=True
+        )
+    original = torch.as_tensor(atoms.positions).requires_grad_()
+    strain = torch.zeros(3, 3, dtype=torch.float64, requires_grad=True)
+    deformation = torch.eye(3, dtype=torch.float64) + strain
+    cell = torch.as_tensor(atoms.cell.array) @ deformation
+    positions = original @ deformation
+
+    def pairs(cutoff: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        i, j, shifts = neighbor_list("ijS", atoms, cutoff)
+        i, j = torch.as_tensor(i), torch.as_tensor(j)
+        vectors = positions[j] - positions[i] + torch.as_tensor(shifts, dtype=torch.float64) @ cell
+        return i, j, vectors
+
+    if coulomb.charge_model is None:
+        charges = torch.as_tensor(atoms.get_initial_charges())
+    else:
+        i, j, vectors = pairs(float(coulomb.charge_model.cutoff))
+        graph = LocalGraph(
+            torch.as_tensor(atoms.numbers), torch.stack([i, j]), vectors, len(atoms)
+        )
+        charges = coulomb.charge_model(graph)
+    i, j, vectors = pairs(coulomb.cutoff)
+    charges = charges.unsqueeze(-1)
+    potentials = calculator(
+        charges,
+        cell,
+        positions,
+        torch.stack([i, j], dim=1),
+        torch.linalg.vector_norm(vectors, dim=1),
+    )
+    energies = (charges * potentials).squeeze(-1)
+    energy = energies.sum()
+    position_grad, strain_grad = torch.autograd.grad(energy, [original, strain])
+    virial = 0.5 * (strain_grad + strain_grad.T)
+    return {
+        "energy": energy.detach().numpy(),
+        "energies": energies.detach().numpy(),
+        "forces": -position_grad.numpy(),
+        "stress": (virial[_VOIGT] / atoms.get_volume()).detach().numpy(),
+    }

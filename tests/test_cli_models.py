@@ -89,6 +89,9 @@ def test_info_models_lists_shipped_checkpoints(capsys) -> None:
         assert ("; heads " + ", ".join(modalities) in line) == (len(modalities) > 1), line
     assert re.search(r"\.pth +SevenNet checkpoint: yes \(sevenn ", out)
     assert re.search(r"metatomic:PATH +exported metatomic model", out)
+    # the terms md adds to any model, with the package each needs
+    assert re.search(r"^  --d3 METHOD +D3 dispersion.*: yes \(tad-dftd3 ", out, re.MULTILINE)
+    assert re.search(r"^  --coulomb KIND +Ewald or PME.*: yes \(torch-pme ", out, re.MULTILINE)
 
 
 def listed_elements(line: str) -> set[str]:

@@ -9,7 +9,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from oracles import evaluate_periodic_graph, relative_errors
-from sharded import COMM, assert_identical_on_all_ranks, random_gas, results
+from sharded import (
+    COMM,
+    assert_close_to,
+    assert_identical_on_all_ranks,
+    assert_ranks_own_nothing_iff_fewer_atoms,
+    fewer_atoms_than_ranks,
+    random_gas,
+    results,
+)
 from toy_models import ChargedPairs
 
 from ase_shard import ShardedCalculator
@@ -50,6 +58,22 @@ def test_inputs_reach_owned_and_ghost_atoms(pbc, partition: str) -> None:
     atoms = charged_gas(pbc)
     atoms.calc = ShardedCalculator(ChargedPairs(), partition=partition)
     assert_matches_oracle(atoms)
+
+
+@pytest.mark.parametrize("name", ["one", "two"])
+def test_inputs_with_ranks_that_own_nothing(name: str) -> None:
+    """Fewer atoms than ranks: an empty rank packs no rows of the per-atom inputs (an
+    empty array once failed to take its width there, on that rank alone)."""
+    atoms = fewer_atoms_than_ranks()[name]
+    atoms.set_initial_charges([0.8, -0.3][: len(atoms)])
+    atoms.set_array("spins", np.array([1.5, -0.5][: len(atoms)]))
+    atoms.info["charge"] = 0.5
+    atoms.calc = ShardedCalculator(ChargedPairs())
+    got = results(atoms)
+    # the lone atom's forces vanish by symmetry: compared absolutely
+    assert_close_to(got, {key: value for key, value in oracle(atoms).items() if key in got}, RTOL)
+    assert_identical_on_all_ranks(got)
+    assert_ranks_own_nothing_iff_fewer_atoms(atoms.calc, len(atoms))
 
 
 def test_changed_inputs_are_recomputed() -> None:

@@ -80,3 +80,34 @@ class ChargedPairs(torch.nn.Module):
         pair = 0.5 * q[centre] * q[neighbour] * torch.exp(-r)
         spin = 0.1 * s[centre] * (1.0 + total / 4.0) * torch.exp(-r * r / 4.0)
         return torch.zeros_like(q).index_add(0, centre, cut * (pair + spin))
+
+
+class ChargeTransfer(torch.nn.Module):
+    """A test-only charge model: each pair moves charge towards the more electronegative end.
+
+    ``q_i = q0(Z_i) + sum_j f_c(r_ij) (chi(Z_j) - chi(Z_i)) / 10`` over the pairs within
+    ``cutoff`` (Å), ``f_c`` a cosine cut-off: antisymmetric in the pair, so the total
+    charge is ``sum_i q0(Z_i)`` whatever the geometry, and the charges change with the
+    positions (``Coulomb(charges=ChargeTransfer())`` must carry that into the forces).
+    ``q0`` is +1 for Na and -1 for Cl, ``chi`` 0.9 and 3.2.
+    """
+
+    num_layers = 1
+    atomic_types = (11, 17)
+
+    def __init__(self, cutoff: float = 4.0):
+        super().__init__()
+        self.cutoff = cutoff
+        formal, electronegativity = torch.zeros(18, dtype=torch.float64), torch.zeros(18)
+        formal[11], formal[17] = 1.0, -1.0
+        electronegativity[11], electronegativity[17] = 0.9, 3.2
+        self.register_buffer("formal", formal)
+        self.register_buffer("electronegativity", electronegativity.to(torch.float64))
+
+    def forward(self, graph: LocalGraph) -> torch.Tensor:
+        centre, neighbour = graph.edge_index
+        r = torch.linalg.vector_norm(graph.edge_vectors, dim=-1)
+        cut = 0.5 * (torch.cos(math.pi * r / self.cutoff) + 1.0)
+        chi = self.electronegativity[graph.numbers]
+        moved = 0.1 * cut * (chi[neighbour] - chi[centre])
+        return self.formal[graph.numbers].index_add(0, centre, moved)

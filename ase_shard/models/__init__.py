@@ -1,14 +1,16 @@
 """Torch potentials for ``ShardedCalculator``.
 
 ``LennardJones``, ``Morse`` and ``EMT`` re-implement ASE's calculators, ``D3`` the ``dftd3``
-package's DFT-D3 dispersion. ``SevenNet``, ``MACE``, ``NequIP``, ``CHGNet``, ``Metatomic``,
-``UMA``, ``Orb`` and ``MatterSim`` wrap machine-learned potentials. Their packages are
-imported only when a model is built (extras ``ase-shard[d3]``, ``[sevenn]``, ``[mace]``,
+package's DFT-D3 dispersion, ``Coulomb`` Ewald and PME electrostatics with torch-pme's
+kernels. ``SevenNet``, ``MACE``, ``NequIP``, ``CHGNet``, ``Metatomic``, ``UMA``, ``Orb`` and
+``MatterSim`` wrap machine-learned potentials. Their packages are imported only when a
+model is built (extras ``ase-shard[d3]``, ``[coulomb]``, ``[sevenn]``, ``[mace]``,
 ``[nequip]``, ``[chgnet]``, ``[metatomic]``, ``[fairchem]``, ``[orb]``, ``[mattersim]``).
 ``Sum`` (or ``+``) adds models, each at its own cutoff.
 """
 
 from ase_shard.models.chgnet import CHGNet
+from ase_shard.models.coulomb import Coulomb
 from ase_shard.models.d3 import D3
 from ase_shard.models.emt import EMT
 from ase_shard.models.lj import LennardJones
@@ -25,6 +27,7 @@ from ase_shard.models.uma import UMA
 __all__ = [
     "Allegro",
     "CHGNet",
+    "Coulomb",
     "D3",
     "EMT",
     "LennardJones",

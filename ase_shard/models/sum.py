@@ -19,7 +19,13 @@ from collections.abc import Sequence
 
 import torch
 
-from ase_shard.graph import LocalGraph, check_model, predicts_forces, receptive_field
+from ase_shard.graph import (
+    LocalGraph,
+    check_model,
+    predicts_forces,
+    receptive_field,
+    uses_positions,
+)
 
 
 class Addable:
@@ -58,6 +64,8 @@ class Sum(Addable, torch.nn.Module):
     supports_layer_halo : bool
         Whether every term of several layers exchanges its features between them:
         then the halo is one (longest) cutoff and each such term exchanges through it.
+    uses_positions : bool
+        Whether a term's energy reads absolute positions (a ``Coulomb`` term).
 
     The terms are evaluated in one dtype, the calculator's (``ShardedCalculator(...,
     dtype=...)``, by default the first term's).
@@ -88,6 +96,7 @@ class Sum(Addable, torch.nn.Module):
             int(term.num_layers) == 1 or bool(getattr(term, "supports_layer_halo", False))
             for term in flat
         )
+        self.uses_positions = any(uses_positions(term) for term in flat)
         self.per_atom_inputs = _union(getattr(term, "per_atom_inputs", ()) for term in flat)
         self.system_inputs = _union(getattr(term, "system_inputs", ()) for term in flat)
         defaults: dict = {}
@@ -117,6 +126,7 @@ class Sum(Addable, torch.nn.Module):
                 graph.system,
                 None,
                 graph.system_sum,
+                positions=graph.positions,
                 cell=graph.cell,
             )
             total = total + term(part)

@@ -1,0 +1,193 @@
+"""Long-range terms under mpirun: NVE energy drift, and step cost against the machine's ceiling.
+
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
+    mpirun --oversubscribe -n 2 .venv/bin/python scripts/long_range_md.py --case all
+
+Cases (``--case``):
+
+- ``nve-coulomb``: 216-atom rocksalt NaCl (formal charges), a Lennard-Jones wall +
+  ``Coulomb(method="ewald")``, VelocityVerlet, 1 fs, 1,000 steps from 600 K: the
+  largest ``|E - E0|`` per atom.
+- ``nve-d3``: 108-atom Cu, EMT + D3(PBE, BJ, three-body; cutoffs ``--d3-cutoffs``,
+  9.7 / 7.9 / 5.3 Å by default), VelocityVerlet, 1 fs, 1,000 steps from 300 K.
+- ``cost``: time of one energy + forces + stress evaluation (median of ``--repeats``
+  after a warm-up; positions moved a little each time, the decomposition reused) on
+  rank 0 alone and on all ranks, for EMT, D3 and EMT + D3 on 864 Cu and for Ewald and
+  PME on 512-atom NaCl, each with its speed-up and the machine's ceiling sampled in
+  the same run (``ase_shard.bench.machine.Ceiling``); ``--mlip 7net-0`` adds that
+  SevenNet model with and without D3 on 256 Cu.
+
+Rank 0 prints a Markdown table; ``--json`` writes the numbers.
+"""
+
+
+# isort: split
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+from ase import Atoms, units
+from ase.build import bulk
+from ase.md.velocitydistribution import Stationary, thermalize_momenta
+from ase.md.verlet import VelocityVerlet
+
+from ase_shard import ShardedCalculator
+from ase_shard.bench.machine import Ceiling, on_root
+from ase_shard.comm import Comm
+from ase_shard.models import D3, EMT, Coulomb, LennardJones
+
+COMM = Comm()
+# Å and eV: a repulsive wall for NaCl (sigma ~ the Na-Cl contact), as in the tests
+REPULSION = {"epsilon": 0.05, "sigma": 2.6, "rc": 6.0}
+D3_CUTOFFS = {"cutoff": 9.7, "cn_cutoff": 7.9, "atm_cutoff": 5.3}
+
+
+def nacl(repeat: int) -> Atoms:
+    atoms = bulk("NaCl", "rocksalt", a=5.64, cubic=True).repeat(repeat)
+    atoms.set_initial_charges(np.where(atoms.numbers == 11, 1.0, -1.0))
+    return atoms
+
+
+def copper(repeat: int) -> Atoms:
+    return bulk("Cu", "fcc", a=3.6, cubic=True).repeat(repeat)
+
+
+def nve(atoms: Atoms, model, temperature_k: float, steps: int) -> dict:
+    """VelocityVerlet from ``temperature_k`` (seeded): drift and time per step."""
+    thermalize_momenta(atoms, temperature_K=temperature_k, rng=np.random.default_rng(1))
+    Stationary(atoms)
+    atoms.calc = ShardedCalculator(model)
+    dynamics = VelocityVerlet(atoms, timestep=1.0 * units.fs)
+    energies = []
+    dynamics.attach(lambda: energies.append(atoms.get_total_energy()), interval=10)
+    start = time.perf_counter()
+    dynamics.run(steps)
+    elapsed = time.perf_counter() - start
+    energies = np.array(energies)
+    # the trend: a straight line through E(t), over the run
+    slope = np.polyfit(np.arange(len(energies)), energies, 1)[0]
+    return {
+        "atoms": len(atoms),
+        "steps": steps,
+        "fitted_drift_eV_per_atom": float(slope * (len(energies) - 1) / len(atoms)),
+        "max_drift_eV_per_atom": float(np.abs(energies - energies[0]).max() / len(atoms)),
+        "end_drift_eV_per_atom": float((energies[-1] - energies[0]) / len(atoms)),
+        "s_per_step": elapsed / steps,
+        "rebuilds": atoms.calc.rebuilds,
+    }
+
+
+def step_time(atoms: Atoms, model, repeats: int, comm=None) -> float:
+    """Median seconds of an energy + forces + stress evaluation (after a warm-up)."""
+    atoms = atoms.copy()
+    atoms.calc = ShardedCalculator(model, comm=comm)
+    rng = np.random.default_rng(0)
+    times = []
+    for k in range(repeats + 1):
+        atoms.positions += rng.normal(scale=0.002, size=atoms.positions.shape)
+        start = time.perf_counter()
+        atoms.get_forces()
+        atoms.get_stress()
+        if k:
+            times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def cost(repeats: int, mlip: str | None) -> list[dict]:
+    """Each model's step time on rank 0 alone and on all ranks, with the ceiling."""
+    serial = None
+    if COMM.size > 1:
+        from mpi4py import MPI
+
+        serial = MPI.COMM_SELF
+    cases: list[tuple[str, Atoms, Callable[[], object]]] = [
+        ("EMT", copper(6), EMT),
+        ("D3 (BJ, ATM)", copper(6), lambda: D3(**D3_CUTOFFS)),
+        ("EMT + D3", copper(6), lambda: EMT() + D3(**D3_CUTOFFS)),
+        ("Ewald", nacl(4), lambda: Coulomb(method="ewald")),
+        ("PME", nacl(4), lambda: Coulomb(method="pme")),
+    ]
+    if mlip:
+        from ase_shard.models import SevenNet
+
+        cases += [
+            (mlip, copper(4), lambda: SevenNet(mlip)),
+            (f"{mlip} + D3", copper(4), lambda: SevenNet(mlip) + D3(**D3_CUTOFFS)),
+        ]
+    ceiling = Ceiling(COMM, seconds=1.0)
+    rows = []
+    for name, atoms, make in cases:
+        alone = partial(step_time, atoms, make(), repeats, serial)
+        one = COMM.bcast(on_root(COMM, alone))
+        every = step_time(atoms, make(), repeats)
+        ceiling.sample()
+        rows.append({"model": name, "atoms": len(atoms), "one_rank_s": one, "ranks_s": every})
+    limit = ceiling.result()["speedup"]
+    for row in rows:
+        row["speedup"] = row["one_rank_s"] / row["ranks_s"]
+        row["ceiling"] = limit
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", choices=("nve-coulomb", "nve-d3", "cost", "all"), default="all")
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--mlip", help="also time this model with and without D3 (e.g. 7net-0)")
+    parser.add_argument(
+        "--d3-cutoffs",
+        nargs=3,
+        type=float,
+        metavar=("PAIR", "CN", "ATM"),
+        default=[D3_CUTOFFS[key] for key in ("cutoff", "cn_cutoff", "atm_cutoff")],
+        help="Å: D3's cutoffs in nve-d3 (default 9.7 7.9 5.3)",
+    )
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    report: dict = {"ranks": COMM.size}
+    if args.case in ("nve-coulomb", "all"):
+        model = LennardJones(**REPULSION) + Coulomb(method="ewald")
+        report["nve-coulomb"] = nve(nacl(3), model, 600.0, args.steps)
+    if args.case in ("nve-d3", "all"):
+        cutoffs = dict(zip(("cutoff", "cn_cutoff", "atm_cutoff"), args.d3_cutoffs, strict=True))
+        report["nve-d3"] = nve(copper(3), EMT() + D3(**cutoffs), 300.0, args.steps)
+        report["nve-d3"]["d3_cutoffs_A"] = args.d3_cutoffs
+    if args.case in ("cost", "all"):
+        report["cost"] = cost(args.repeats, args.mlip)
+    if not COMM.is_root:
+        return
+    for case in ("nve-coulomb", "nve-d3"):
+        if case in report:
+            run = report[case]
+            print(
+                f"{case}: {run['atoms']} atoms, {run['steps']} steps of 1 fs on {COMM.size} "
+                f"rank(s): drift (fitted line) {run['fitted_drift_eV_per_atom']:+.2e} eV/atom, "
+                f"end {run['end_drift_eV_per_atom']:+.2e}, max |E - E0| "
+                f"{run['max_drift_eV_per_atom']:.2e} eV/atom, {run['s_per_step'] * 1e3:.1f} "
+                f"ms/step, {run['rebuilds']} rebuilds"
+            )
+    if "cost" in report:
+        print(
+            f"\n| model | atoms | 1 rank (ms) | {COMM.size} ranks (ms) | speed-up | ceiling | "
+            "speed-up / ceiling |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for row in report["cost"]:
+            print(
+                f"| {row['model']} | {row['atoms']} | {row['one_rank_s'] * 1e3:.1f} | "
+                f"{row['ranks_s'] * 1e3:.1f} | {row['speedup']:.2f} | {row['ceiling']:.2f} | "
+                f"{row['speedup'] / row['ceiling']:.2f} |"
+            )
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
