@@ -20,7 +20,9 @@ from toy_models import ChargeTransfer  # noqa: E402
 from ase_shard import ShardedCalculator  # noqa: E402
 from ase_shard.models import EMT, Coulomb, Sum  # noqa: E402
 
-RTOL = 1e-8
+# relative, to round-off: what the tests assert (the acceptance is 1e-8 against torch-pme
+# and 1e-10 for charges from a model, against finite differences and one rank)
+RTOL = 1e-10
 # Å: the real-space cutoff of the tests' sums (shorter than the 8 Å default, for time)
 CUTOFF = 6.0
 
@@ -108,18 +110,17 @@ def test_pme_error_against_converged_ewald(system: str) -> None:
 
 
 def test_predicted_charges_forces_are_the_energy_gradient() -> None:
-    """Charges from a model: forces and stress equal central differences of the energy
-    (the charges' dependence on the positions included). At accuracy 1e-10 the
-    energy's jumps as pairs cross the real-space cutoff (erfc there) are far below the
-    differences' round-off."""
+    """Charges from a model: forces and stress equal 5-point central differences of the
+    energy (the charges' dependence on the positions included), to 1e-10 of the largest.
+    At accuracy 1e-10 the energy's jumps as pairs cross the real-space cutoff (erfc
+    there) are far below the differences' round-off."""
     atoms = coulomb_systems()["molten"]
     model = Coulomb(charges=ChargeTransfer(), cutoff=CUTOFF, accuracy=1e-10)
     atoms.calc = ShardedCalculator(model)
     forces, stress = atoms.get_forces(), atoms.get_stress()
-    step = 1e-3
     stencil = ((-2, 1 / 12), (-1, -2 / 3), (1, 2 / 3), (2, -1 / 12))
 
-    def derivative(move) -> float:
+    def derivative(move, step: float) -> float:
         energies = []
         for k, _ in stencil:
             displaced = atoms.copy()
@@ -128,12 +129,15 @@ def test_predicted_charges_forces_are_the_energy_gradient() -> None:
             energies.append(displaced.get_potential_energy())
         return sum(weight * e for (_, weight), e in zip(stencil, energies, strict=True)) / step
 
+    # measured: within 4e-12 of the largest force (steps of 1e-3 Å) and 1.3e-12 of the
+    # largest stress (strains of 3e-4)
     for atom, axis in ((0, 0), (7, 1), (33, 2), (50, 0)):
 
         def move(displaced, h, atom=atom, axis=axis):
             displaced.positions[atom, axis] += h
 
-        assert -derivative(move) == pytest.approx(forces[atom, axis], rel=1e-8, abs=1e-9)
+        error = abs(-derivative(move, 1e-3) - forces[atom, axis])
+        assert error <= RTOL * np.abs(forces).max(), (atom, axis, error)
     for voigt, (a, b) in ((0, (0, 0)), (5, (0, 1))):
 
         def strain(displaced, h, a=a, b=b):
@@ -143,8 +147,8 @@ def test_predicted_charges_forces_are_the_energy_gradient() -> None:
 
         # the virial is symmetric (the energy does not change with a rotation), so one
         # off-diagonal strain's derivative is the stress's term
-        expected = derivative(strain) / atoms.get_volume()
-        assert stress[voigt] == pytest.approx(expected, rel=1e-8, abs=1e-10)
+        error = abs(derivative(strain, 3e-4) / atoms.get_volume() - stress[voigt])
+        assert error <= RTOL * np.abs(stress).max(), (voigt, error)
 
 
 def test_cli_coulomb_adds_electrostatics_and_is_recorded(tmp_path, capsys) -> None:

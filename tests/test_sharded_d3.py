@@ -9,6 +9,7 @@ relative, bitwise alike on every rank.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 pytest.importorskip("dftd3")
@@ -16,6 +17,7 @@ pytest.importorskip("tad_dftd3")
 
 from oracles import ase_results  # noqa: E402
 from sharded import (  # noqa: E402
+    COMM,
     assert_close_to,
     assert_identical_on_all_ranks,
     assert_ranks_own_nothing_iff_fewer_atoms,
@@ -25,6 +27,7 @@ from sharded import (  # noqa: E402
 from test_d3 import CUTOFFS, RTOL, d3_systems, dftd3_results  # noqa: E402
 
 from ase_shard import ShardedCalculator  # noqa: E402
+from ase_shard.distributed import distribute  # noqa: E402
 from ase_shard.models import D3  # noqa: E402
 from ase_shard.partition import PARTITIONS  # noqa: E402
 
@@ -65,3 +68,16 @@ def test_with_ranks_that_own_nothing(name: str, halo: str) -> None:
     assert_ranks_own_nothing_iff_fewer_atoms(calc, len(atoms))
     assert_close_to(got, ref, RTOL)
     assert_identical_on_all_ranks(got)
+
+
+@pytest.mark.parametrize("halo", ["layer", "full"])
+def test_distributed_atoms(halo: str) -> None:
+    """Distributed atoms (each rank holds its own): dftd3's results, the forces gathered."""
+    atoms = d3_systems()["slab"]
+    ref = on_root(lambda: dftd3_results(atoms, "pbe", "bj", True, **CUTOFFS))
+    local = distribute(atoms if COMM.is_root else None)
+    local.calc = ShardedCalculator(D3("pbe", "bj", True, **CUTOFFS), halo=halo)
+    got = {"energy": np.asarray(local.get_potential_energy()), "stress": local.get_stress()}
+    order = np.argsort(np.concatenate(COMM.allgather(local.get_global_ids())))
+    got["forces"] = np.concatenate(COMM.allgather(local.get_forces()))[order]
+    assert_close_to(got, ref, RTOL)
