@@ -156,20 +156,13 @@ def test_cli_coulomb_adds_electrostatics_and_is_recorded(tmp_path, capsys) -> No
     the file's charges: its frames hold ASE's Lennard-Jones plus torch-pme's PME, and
     record ``pme``; a restart keeps it and refuses another; a structure without charges
     exits 2 with a message."""
-    from ase.io import read, write
+    from ase.io import write
+    from md_terms import assert_refused, run_with_term
     from oracles import ase_results, torchpme_results
 
-    from ase_shard.cli import main
     from ase_shard.md import ASE_CALCULATORS
 
-    start = tmp_path / "nacl.extxyz"
-    write(start, coulomb_systems()["rocksalt"])
-    traj = tmp_path / "run.traj"
-    run = ["md", str(start), "--model", "lj", "--steps", "2", "--interval", "1", "--no-progress"]
-    assert main([*run, "--coulomb", "pme", "--trajectory", str(traj)]) == 0
-    frames = read(traj, ":")
-    assert [frame.info["md_coulomb"] for frame in frames] == ["pme"] * 3
-    frame = frames[-1]
+    _, traj, frame = run_with_term(tmp_path, coulomb_systems()["rocksalt"], "lj", "coulomb", "pme")
     lj = ase_results(ASE_CALCULATORS["lj"](), frame)
     pme = torchpme_results(Coulomb(method="pme"), frame)
     expected = lj["energy"] + pme["energy"]
@@ -178,14 +171,15 @@ def test_cli_coulomb_adds_electrostatics_and_is_recorded(tmp_path, capsys) -> No
     np.testing.assert_allclose(
         frame.get_forces(), forces, rtol=0, atol=RTOL * np.abs(forces).max()
     )
-    assert main(["md", "--restart", str(traj), "--steps", "1", "--no-progress"]) == 0
-    assert read(traj, -1).info["md_coulomb"] == "pme"
-    capsys.readouterr()
     neutral = tmp_path / "argon.extxyz"
     write(neutral, bulk("Ar", "fcc", a=5.26, cubic=True).repeat(2))
-    for arguments, message in (
-        (["--restart", str(traj), "--coulomb", "ewald"], "written with --coulomb pme, not ewald"),
-        ([str(neutral), "--model", "lj", "--coulomb", "ewald"], "holds no charges"),
-    ):
-        assert main(["md", "--steps", "1", *arguments]) == 2
-        assert message in capsys.readouterr().err
+    assert_refused(
+        capsys,
+        [
+            (
+                ["--restart", str(traj), "--coulomb", "ewald"],
+                "written with --coulomb pme, not ewald",
+            ),
+            ([str(neutral), "--model", "lj", "--coulomb", "ewald"], "holds no charges"),
+        ],
+    )

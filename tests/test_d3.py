@@ -207,29 +207,21 @@ def test_cli_d3_adds_dispersion_and_is_recorded(tmp_path, capsys) -> None:
     ``pbe``; a restart keeps it and refuses another; an unknown functional exits 2."""
     from ase.calculators.emt import EMT as AseEMT
     from ase.calculators.mixing import SumCalculator
-    from ase.io import read, write
+    from md_terms import assert_refused, run_with_term
 
-    from ase_shard.cli import main
-
-    start = tmp_path / "ethanol.xyz"
-    write(start, molecule("CH3CH2OH"))
-    traj = tmp_path / "run.traj"
-    run = ["md", str(start), "--model", "emt", "--steps", "2", "--interval", "1", "--no-progress"]
-    assert main([*run, "--d3", "pbe", "--trajectory", str(traj)]) == 0
-    frames = read(traj, ":")
-    assert [frame.info["md_d3"] for frame in frames] == ["pbe"] * 3
-    frame = frames[-1]
+    start, traj, frame = run_with_term(tmp_path, molecule("CH3CH2OH"), "emt", "d3", "pbe")
     reference = frame.copy()
     reference.calc = SumCalculator([AseEMT(), dftd3_calculator("pbe", "bj", True)])
     expected = reference.get_potential_energy()
     assert abs(frame.get_potential_energy() - expected) <= RTOL * abs(expected)
     np.testing.assert_allclose(frame.get_forces(), reference.get_forces(), rtol=0, atol=1e-10)
-    assert main(["md", "--restart", str(traj), "--steps", "1", "--no-progress"]) == 0
-    assert read(traj, -1).info["md_d3"] == "pbe"
-    capsys.readouterr()
-    for arguments, message in (
-        (["--restart", str(traj), "--d3", "r2scan"], "written with --d3 pbe, not r2scan"),
-        ([str(start), "--model", "emt", "--d3", "no-such-functional"], "--d3 no-such-functional"),
-    ):
-        assert main(["md", "--steps", "1", *arguments]) == 2
-        assert message in capsys.readouterr().err
+    assert_refused(
+        capsys,
+        [
+            (["--restart", str(traj), "--d3", "r2scan"], "written with --d3 pbe, not r2scan"),
+            (
+                [str(start), "--model", "emt", "--d3", "no-such-functional"],
+                "--d3 no-such-functional",
+            ),
+        ],
+    )
