@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -142,6 +142,22 @@ class LocalGraph:
     def n_atoms(self) -> int:
         """Number of local nodes (owned + ghosts)."""
         return int(self.numbers.shape[0])
+
+    def within(
+        self, cutoff: float, exchange: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> LocalGraph:
+        """This graph with only its edges shorter than ``cutoff`` (Å), for a part of a
+        model with a shorter reach (a sum's term, a charge model); ``exchange`` in place
+        of this graph's, and no ``hops`` (they count this graph's edges)."""
+        length = torch.linalg.vector_norm(self.edge_vectors.detach(), dim=1)
+        kept = (length < float(cutoff)).nonzero().squeeze(1)
+        return replace(
+            self,
+            edge_index=self.edge_index.index_select(1, kept),
+            edge_vectors=self.edge_vectors.index_select(0, kept),
+            exchange=exchange,
+            hops=None,
+        )
 
 
 @runtime_checkable

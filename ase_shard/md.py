@@ -190,18 +190,21 @@ class Physics:
         """The record in a frame's ``atoms.info``; ``None`` for a frame without one."""
         if MODEL_KEY not in info:
             return None
-        modality = info.get(MODALITY_KEY)
-        reach = info.get(INTERACTION_RANGE_KEY)
-        d3, coulomb = info.get(D3_KEY), info.get(COULOMB_KEY)
+
+        def optional(key: str, kind: type) -> str | float | None:
+            """``info[key]`` as ``kind``; ``None`` where the run left it out."""
+            value = info.get(key)
+            return None if value is None else kind(value)
+
         return cls(
             model=str(info[MODEL_KEY]),
             parameters=str(info.get(PARAMETERS_KEY, "")),
-            modality=None if modality is None else str(modality),
+            modality=optional(MODALITY_KEY, str),
             temperature=float(info[TEMPERATURE_KEY]),
             compressibility=float(info[COMPRESSIBILITY_KEY]),
-            interaction_range=None if reach is None else float(reach),
-            d3=None if d3 is None else str(d3),
-            coulomb=None if coulomb is None else str(coulomb),
+            interaction_range=optional(INTERACTION_RANGE_KEY, float),
+            d3=optional(D3_KEY, str),
+            coulomb=optional(COULOMB_KEY, str),
         )
 
     @property

@@ -107,13 +107,12 @@ def test_in_a_sum() -> None:
     """A Lennard-Jones wall + Ewald: ASE's Lennard-Jones plus torch-pme's sum."""
     atoms = coulomb_systems()["molten"]
     coulomb = Coulomb(cutoff=CUTOFF)
-    ref = on_root(
-        lambda: {
-            key: value + torchpme_results(coulomb, atoms)[key]
-            for key, value in ase_results(
-                AseLennardJones(**REPULSION, smooth=False), atoms
-            ).items()
-        }
-    )
+
+    def reference() -> dict:
+        wall = ase_results(AseLennardJones(**REPULSION, smooth=False), atoms)
+        ewald = torchpme_results(coulomb, atoms)
+        return {key: value + ewald[key] for key, value in wall.items()}
+
+    ref = on_root(reference)
     got = ase_results(ShardedCalculator(LennardJones(**REPULSION) + coulomb), atoms)
     assert_close_to(got, ref, RTOL)

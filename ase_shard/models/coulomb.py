@@ -68,6 +68,9 @@ class Coulomb(Addable, torch.nn.Module):
     ----------
     smearing, lr_wavelength, mesh_spacing : float
         Å: torch-pme's parameters.
+    charges : str or None
+        The per-atom array's name (``None`` with a charge model).
+    charge_model : torch.nn.Module or None
 
     The cell must be periodic along all three axes. Per-atom energies are
     ``q_i V_i``; per-atom stresses are not defined (the reciprocal sum's virial has
@@ -115,14 +118,15 @@ class Coulomb(Addable, torch.nn.Module):
                     f"Coulomb's ({self.cutoff:g} Å)"
                 )
             self.charge_model = charges
-            self.charges = type(charges).__name__
+            self.charges = None
             # the charges of a pair's far end come from that atom's own edges: a second layer
             self.num_layers = 2
             self.supports_layer_halo = True
 
     def extra_repr(self) -> str:
+        charges = self.charges or type(self.charge_model).__name__
         return (
-            f"charges={self.charges!r}, method={self.method!r}, cutoff={self.cutoff:g}, "
+            f"charges={charges!r}, method={self.method!r}, cutoff={self.cutoff:g}, "
             f"smearing={self.smearing:.4f}, lr_wavelength={self.lr_wavelength:.4f}"
         )
 
@@ -149,25 +153,15 @@ class Coulomb(Addable, torch.nn.Module):
         i, j = centre[pair], neighbour[pair]
         pair_energy = charges[i] * charges[j] * self.potential.sr_from_dist(distance[pair])
         energies = distance.new_zeros(graph.n_atoms).index_add(0, i, 0.5 * pair_energy)
-        n_owned = graph.n_owned
-        reciprocal = self._reciprocal(graph, charges[:n_owned])
-        return energies.index_add(0, torch.arange(n_owned, device=energies.device), reciprocal)
+        reciprocal = self._reciprocal(graph, charges[: graph.n_owned])
+        # the owned atoms' rows come first
+        return energies + torch.nn.functional.pad(reciprocal, (0, graph.n_atoms - graph.n_owned))
 
     def _charges(self, graph: LocalGraph) -> torch.Tensor:
         """``(n,)`` charges of the nodes in e (the owned ones' and their ghosts')."""
         if self.charge_model is None:
             return graph.inputs[self.charges].reshape(graph.n_atoms)
-        length = torch.linalg.vector_norm(graph.edge_vectors.detach(), dim=-1)
-        kept = (length < float(self.charge_model.cutoff)).nonzero().squeeze(1)
-        local = LocalGraph(
-            graph.numbers,
-            graph.edge_index.index_select(1, kept),
-            graph.edge_vectors.index_select(0, kept),
-            graph.n_owned,
-            system_sum=graph.system_sum,
-            cell=graph.cell,
-        )
-        charges = self.charge_model(local)
+        charges = self.charge_model(graph.within(float(self.charge_model.cutoff)))
         if graph.exchange is not None:
             # per-layer halo: the ghosts' charges are their owners' (the exchange's
             # backward returns dE/dq to the owners)
@@ -196,30 +190,36 @@ class Coulomb(Addable, torch.nn.Module):
 
         positions = graph.positions[: graph.n_owned]
         cell = graph.cell
-        fixed = cell.detach()
-        kernel_cell = fixed + 0.5 * (cell - fixed)
+        kernel_cell = _half_gradient(cell)
+        # the ranks' sums: constants for autograd (a system_sum's are; one process's too)
         total = graph.system_sum or (lambda partial: partial)
         ivolume = kernel_cell.det().abs().reciprocal()
         if self.method == "ewald":
-            basis = torch.linalg.vector_norm(fixed, dim=1)
+            basis = torch.linalg.vector_norm(cell.detach(), dim=1)
             ns = torch.ceil(basis / self.lr_wavelength).long()
-            phases = generate_kvectors_for_ewald(ns=ns, cell=cell) @ positions.T  # (k, i)
+            kvectors = generate_kvectors_for_ewald(ns=ns, cell=cell)
+            phases = kvectors @ positions.T  # (k, i)
             waves = torch.stack([torch.cos(phases), torch.sin(phases)])  # (2, k, i)
-            structure = total((waves @ charges).detach()).detach()  # (2, k)
-            k_sq = generate_kvectors_for_ewald(ns=ns, cell=kernel_cell).square().sum(-1)
-            green = self.potential.lr_from_k_sq(k_sq)
+            structure = total((waves @ charges).detach())  # (2, k)
+            green = self.potential.lr_from_k_sq(_half_gradient(kvectors).square().sum(-1))
             potential = torch.einsum("fki,fk,k->i", waves, structure, green) * ivolume
         else:
-            ns = get_ns_mesh(fixed, self.mesh_spacing)
+            ns = get_ns_mesh(cell.detach(), self.mesh_spacing)
             mesh = MeshInterpolator(cell, ns, interpolation_nodes=4, method="Lagrange")
             mesh.compute_weights(positions)
-            density = total(mesh.points_to_mesh(charges.detach().unsqueeze(-1))).detach()
+            density = total(mesh.points_to_mesh(charges.detach().unsqueeze(-1)).detach())
             kspace = KSpaceFilter(
                 kernel_cell, ns, kernel=self.potential, fft_norm="backward", ifft_norm="forward"
             )
             potential = mesh.mesh_to_points(kspace.forward(density)).squeeze(-1) * ivolume
-        net_charge = total(charges.detach().sum()).detach()
+        net_charge = total(charges.detach().sum())
         potential = potential - 2.0 * self.potential.background_correction() * net_charge * ivolume
         share = charges * potential
         self_energy = 0.5 * self.potential.self_contribution() * charges * charges
         return share - 0.5 * share.detach() - self_energy
+
+
+def _half_gradient(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s value with half its gradient (see :meth:`Coulomb._reciprocal`)."""
+    fixed = tensor.detach()
+    return fixed + 0.5 * (tensor - fixed)

@@ -112,23 +112,10 @@ class Sum(Addable, torch.nn.Module):
         hop-sorted edges are one term's only). ``ShardedCalculator`` instead gives each
         term its own block of edges at its own cutoff.
         """
-        length = torch.linalg.vector_norm(graph.edge_vectors.detach(), dim=1)
         total = graph.edge_vectors.new_zeros(graph.n_atoms)
         for term in self.terms:
-            kept = (length < float(term.cutoff)).nonzero().squeeze(1)
-            part = LocalGraph(
-                graph.numbers,
-                graph.edge_index.index_select(1, kept),
-                graph.edge_vectors.index_select(0, kept),
-                graph.n_owned,
-                graph.exchange if getattr(term, "supports_layer_halo", False) else None,
-                graph.inputs,
-                graph.system,
-                None,
-                graph.system_sum,
-                positions=graph.positions,
-                cell=graph.cell,
-            )
+            exchange = graph.exchange if getattr(term, "supports_layer_halo", False) else None
+            part = graph.within(float(term.cutoff), exchange)
             total = total + term(part)
         return total
 
