@@ -18,6 +18,7 @@ from ase_shard.graph import (
     EdgeList,
     Hops,
     LocalGraph,
+    MeshTransform,
     PredictedForces,
     direct_forces,
     model_dtype,
@@ -262,6 +263,8 @@ class LocalBlock:
     system_sum : callable, optional
         Given to the model's graphs as ``LocalGraph.system_sum`` (a
         :class:`ase_shard.system_sum.SystemSum` on several ranks).
+    system_fft : MeshTransform, optional
+        Given to the model's graphs as ``LocalGraph.system_fft`` (on several ranks).
     """
 
     def __init__(
@@ -281,6 +284,7 @@ class LocalBlock:
         neighbor_list: str = "auto",
         pair_halo: HaloExchange | None = None,
         system_sum=None,
+        system_fft: MeshTransform | None = None,
     ):
         self.device = torch.device(device)
         self.timer = timer or PhaseTimer(self.device)
@@ -295,6 +299,7 @@ class LocalBlock:
         self.exchange = exchange
         # the graphs' system_sum (see LocalGraph): None in one process
         self.system_sum = system_sum
+        self.system_fft = system_fft
         self.compiled = compiled
         # pairs beyond the cutoff may be missing from the list on reuse steps
         self.min_distance = min(max(float(min_distance), COINCIDENT_DISTANCE), float(model.cutoff))
@@ -544,6 +549,7 @@ class LocalBlock:
                 None if self._hops is None else Hops(tuple(kept), *self._hops),
                 self.system_sum,
                 cell=self._device_cell.to(dtype),  # cached with the offsets above
+                system_fft=self.system_fft,
             )
             strain = None
             if self._uses_positions:

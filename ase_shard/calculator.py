@@ -58,6 +58,7 @@ from ase_shard.placement import checked_dtype, place_rank, placed
 from ase_shard.reuse import displacement_reason, forced_rebuild
 from ase_shard.settings import Settings, checked_timeout, rank_grid
 from ase_shard.system import changed_fields, validate_cell, validate_rows
+from ase_shard.system_fft import SystemFFT
 from ase_shard.system_sum import SystemSum
 from ase_shard.timing import PhaseTimer
 
@@ -536,6 +537,7 @@ class ShardedCalculator(Calculator):
                 neighbor_list=settings.neighbor_list,
                 pair_halo=plan if self.comm.size > 1 and self._on_host_everywhere else None,
                 system_sum=SystemSum(self.comm) if self.comm.size > 1 else None,
+                system_fft=SystemFFT(self.comm) if self.comm.size > 1 else None,
             )
 
         layer = settings.halo == "layer"

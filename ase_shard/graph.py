@@ -51,6 +51,23 @@ class Hops:
     place: torch.Tensor
 
 
+
+class MeshTransform(Protocol):
+    """The 3-D FFT of a mesh summed over every rank (``LocalGraph.system_fft``).
+
+    Unnormalised both ways, a constant for autograd; collective: every rank
+    calls :meth:`forward` and then :meth:`inverse` with meshes of one shape
+    (:class:`ase_shard.system_fft.SystemFFT`).
+    """
+
+    def forward(self, partial: torch.Tensor) -> tuple[torch.Tensor, slice]:
+        """``(spectrum, rows)``: ``torch.fft.rfftn`` of the ranks' ``(nx, ny, nz)``
+        meshes summed, at this rank's wave numbers ``rows`` of the second axis,
+        that axis first: ``(len(rows), nx, nz // 2 + 1)``."""
+
+    def inverse(self, spectrum: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The whole real mesh from every rank's slab (``irfftn``, ``norm="forward"``)."""
+
 @dataclass
 class LocalGraph:
     """One rank's block of atoms: owned nodes first, then ghost nodes.
@@ -124,6 +141,15 @@ class LocalGraph:
         periodic image an edge reaches). Differentiable for a model that
         declares ``uses_positions``. Given to every model by the calculator;
         ``None`` in graphs built by hand.
+    system_fft : MeshTransform or None
+        The 3-D FFT of a mesh summed over all ranks, split among them in
+        slabs (:class:`ase_shard.system_fft.SystemFFT`: ``forward(partial)``
+        gives this rank's slab of the spectrum and its wave numbers,
+        ``inverse(spectrum, shape)`` the whole real mesh on every rank), for
+        a mesh-based reciprocal-space sum (PME). Collective, like
+        ``system_sum``, and a constant for autograd. ``None`` where the graph
+        holds the whole system: the transform is ``torch.fft.rfftn`` of the
+        mesh itself.
     """
 
     numbers: torch.Tensor
@@ -137,6 +163,7 @@ class LocalGraph:
     system_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
     positions: torch.Tensor | None = None
     cell: torch.Tensor | None = None
+    system_fft: MeshTransform | None = None
 
     @property
     def n_atoms(self) -> int:

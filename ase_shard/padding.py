@@ -102,6 +102,7 @@ def pad_graph(
         hops=None,
         system_sum=graph.system_sum,
         cell=graph.cell,
+        system_fft=graph.system_fft,
     )
 
 

@@ -23,6 +23,7 @@ gradients add up to the whole one's (see :meth:`Coulomb._reciprocal`). Energies 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -106,6 +107,7 @@ class Coulomb(Addable, torch.nn.Module):
         self.lr_wavelength = math.pi * self.smearing / (math.sqrt(2.0) * s)
         self.mesh_spacing = 2.0 * self.lr_wavelength / 3.0
         self.potential = CoulombPotential(smearing=self.smearing, prefactor=eV_A)
+        self._kept_lattice: _MeshLattice | None = None
         if isinstance(charges, str):
             self.charge_model = None
             self.charges = charges
@@ -179,44 +181,150 @@ class Coulomb(Addable, torch.nn.Module):
         atom's position or charge is the whole one's, ``rho``'s dependence on them
         giving, by symmetry, as much as ``phi_i``'s. The lattice's dependence (the
         kernel, the volume) appears in every ``x_i`` with ``rho`` held, so it would
-        count twice: the kernel sees the cell with half its gradient.
+        count twice: Ewald's kernel sees the cell with half its gradient; PME's is
+        added once, as an explicit term (:meth:`_pme`).
         """
-        from torchpme.lib import (
-            KSpaceFilter,
-            MeshInterpolator,
-            generate_kvectors_for_ewald,
-            get_ns_mesh,
-        )
+        if self.method == "pme":
+            return self._pme(graph, charges)
+        from torchpme.lib import generate_kvectors_for_ewald
 
         positions = graph.positions[: graph.n_owned]
         cell = graph.cell
-        kernel_cell = _half_gradient(cell)
         # the ranks' sums: constants for autograd (a system_sum's are; one process's too)
         total = graph.system_sum or (lambda partial: partial)
-        ivolume = kernel_cell.det().abs().reciprocal()
-        if self.method == "ewald":
-            basis = torch.linalg.vector_norm(cell.detach(), dim=1)
-            ns = torch.ceil(basis / self.lr_wavelength).long()
-            kvectors = generate_kvectors_for_ewald(ns=ns, cell=cell)
-            phases = kvectors @ positions.T  # (k, i)
-            waves = torch.stack([torch.cos(phases), torch.sin(phases)])  # (2, k, i)
-            structure = total((waves @ charges).detach())  # (2, k)
-            green = self.potential.lr_from_k_sq(_half_gradient(kvectors).square().sum(-1))
-            potential = torch.einsum("fki,fk,k->i", waves, structure, green) * ivolume
-        else:
-            ns = get_ns_mesh(cell.detach(), self.mesh_spacing)
-            mesh = MeshInterpolator(cell, ns, interpolation_nodes=4, method="Lagrange")
-            mesh.compute_weights(positions)
-            density = total(mesh.points_to_mesh(charges.detach().unsqueeze(-1)).detach())
-            kspace = KSpaceFilter(
-                kernel_cell, ns, kernel=self.potential, fft_norm="backward", ifft_norm="forward"
-            )
-            potential = mesh.mesh_to_points(kspace.forward(density)).squeeze(-1) * ivolume
+        ivolume = _half_gradient(cell).det().abs().reciprocal()
+        basis = torch.linalg.vector_norm(cell.detach(), dim=1)
+        ns = torch.ceil(basis / self.lr_wavelength).long()
+        kvectors = generate_kvectors_for_ewald(ns=ns, cell=cell)
+        phases = kvectors @ positions.T  # (k, i)
+        waves = torch.stack([torch.cos(phases), torch.sin(phases)])  # (2, k, i)
+        structure = total((waves @ charges).detach())  # (2, k)
+        green = self.potential.lr_from_k_sq(_half_gradient(kvectors).square().sum(-1))
+        potential = torch.einsum("fki,fk,k->i", waves, structure, green) * ivolume
         net_charge = total(charges.detach().sum())
         potential = potential - 2.0 * self.potential.background_correction() * net_charge * ivolume
+        return self._shares(charges, potential)
+
+    def _pme(self, graph: LocalGraph, charges: torch.Tensor) -> torch.Tensor:
+        """:meth:`_reciprocal` by PME, with the lattice's gradient written out.
+
+        The charge mesh ``rho`` lies in fractional coordinates, so a strain moves
+        neither it nor the interpolation: the energy's strain derivative is the
+        kernel's and the volume's alone. With ``rho_k`` the mesh's transform, ``E_k =
+        1/(2V) sum_k G(k^2) |rho_k|^2`` (torch-pme's unnormalised transforms; the
+        half of the spectrum that ``rfftn`` stores stands for the rest), and as
+        ``k^2`` moves by ``-2 k_a k_b`` per unit strain ``eps_ab``, ``W_ab =
+        dE/deps_ab = -delta_ab (E_k + E_background) - 1/V sum_k G'(k^2) |rho_k|^2
+        k_a k_b``; the gradient with respect to the cell ``h`` is ``h^-T W``. Each
+        rank sums ``W`` over its wave numbers, the ranks' parts are added, and each
+        rank adds its share of atoms of the whole, so that the ranks' gradients add
+        up to it once. The kernel's values and moments depend on the cell only and
+        are kept until it changes (:class:`_MeshLattice`): an MD step at constant
+        volume evaluates no kernel, and no gradient flows through the FFTs.
+        """
+        from torchpme.lib import MeshInterpolator, get_ns_mesh
+
+        positions = graph.positions[: graph.n_owned]
+        cell = graph.cell
+        total = graph.system_sum or (lambda partial: partial)
+        ns = get_ns_mesh(cell.detach(), self.mesh_spacing)
+        mesh = MeshInterpolator(cell, ns, interpolation_nodes=4, method="Lagrange")
+        mesh.compute_weights(positions)
+        spread = mesh.points_to_mesh(charges.detach().unsqueeze(-1)).detach()[0]
+        # the transform of all ranks' charges, (ky, kx, kz): on several ranks each
+        # holds a slab of the ky (graph.system_fft)
+        fft = graph.system_fft
+        if fft is None:
+            density_k, rows = torch.fft.rfftn(spread).transpose(0, 1), slice(None)
+        else:
+            density_k, rows = fft.forward(spread)
+        lattice = self._lattice(cell.detach(), ns, rows)
+        ivolume = cell.detach().det().abs().reciprocal()
+
+        # the slab's part of W without the background (the kernel energy and the
+        # G'-weighted moments k_a k_b of the power spectrum, in one product); the
+        # ranks' parts, their net charges and atom counts are added in one sum
+        squares = torch.view_as_real(density_k).reshape(-1, 2).square()
+        kernel_energy, *moments = 0.5 * ivolume * (lattice.moments @ squares).sum(-1)
+        voigt = torch.stack(moments)[[0, 5, 4, 5, 1, 3, 4, 3, 2]].reshape(3, 3)
+        identity = torch.eye(3, dtype=cell.dtype, device=cell.device)
+        slab_gradient = -2.0 * voigt - kernel_energy * identity
+        owned = torch.stack([charges.detach().sum(), charges.new_tensor(float(graph.n_owned))])
+        sums = total(torch.cat([owned.to(cell.dtype), slab_gradient.reshape(9)]))
+        net_charge, n_atoms, strain_gradient = sums[0], sums[1], sums[2:].reshape(3, 3)
+        background = -2.0 * self.potential.background_correction() * net_charge * ivolume
+        strain_gradient = strain_gradient - 0.5 * background * net_charge * identity
+
+        filtered = density_k * lattice.kernel
+        if fft is None:
+            potential_mesh = torch.fft.irfftn(
+                filtered.transpose(0, 1), s=spread.shape, norm="forward"
+            )
+        else:
+            potential_mesh = fft.inverse(filtered, spread.shape)
+        potential = mesh.mesh_to_points(potential_mesh.unsqueeze(0)).squeeze(-1) * ivolume
+        energies = self._shares(charges, potential + background)
+        if graph.n_owned == 0:
+            return energies
+        # value 0, gradient the rank's share of the lattice's, spread over its atoms
+        cell_gradient = torch.linalg.solve(cell.detach().T, strain_gradient)
+        return energies + (cell_gradient * (cell - cell.detach())).sum() / n_atoms
+
+    def _shares(self, charges: torch.Tensor, potential: torch.Tensor) -> torch.Tensor:
+        """``x_i - x_i / 2 - self_i``, ``x_i = q_i phi_i``: see :meth:`_reciprocal`."""
         share = charges * potential
         self_energy = 0.5 * self.potential.self_contribution() * charges * charges
         return share - 0.5 * share.detach() - self_energy
+
+    def _lattice(self, cell: torch.Tensor, ns: torch.Tensor, rows: slice) -> _MeshLattice:
+        """The PME kernel at this rank's wave numbers (kept while the cell is the same)."""
+        key = (tuple(ns.tolist()), rows.start, rows.stop)
+        kept = self._kept_lattice
+        if kept is not None and kept.key == key and torch.equal(kept.cell, cell):
+            return kept
+        from torchpme.lib import generate_kvectors_for_mesh
+
+        # (ky, kx, kz) like the spectrum; (nx, ny, nz // 2 + 1, 3) from torch-pme
+        kvectors = generate_kvectors_for_mesh(cell=cell, ns=ns).transpose(0, 1)[rows]
+        k_squared = kvectors.square().sum(-1).requires_grad_()
+        with torch.enable_grad():
+            kernel = self.potential.kernel_from_k_sq(k_squared)
+            (derivative,) = torch.autograd.grad(kernel.sum(), k_squared)
+        kernel = kernel.detach()
+        # the half spectrum stands for the whole: the planes kz = 0 and, for an even
+        # count, kz = nz / 2 once, the others twice (their mirrors are not stored)
+        weights = torch.full_like(kernel, 2.0)
+        weights[..., 0] = 1.0
+        if int(ns[2]) % 2 == 0:
+            weights[..., -1] = 1.0
+        pairs = [(0, 0), (1, 1), (2, 2), (1, 2), (0, 2), (0, 1)]  # Voigt order
+        moments = [weights * kernel] + [
+            weights * derivative * kvectors[..., a] * kvectors[..., b] for a, b in pairs
+        ]
+        self._kept_lattice = _MeshLattice(
+            cell=cell.clone(),
+            key=key,
+            kernel=kernel.contiguous(),
+            moments=torch.stack(moments).reshape(7, -1),
+        )
+        return self._kept_lattice
+
+
+@dataclass(frozen=True)
+class _MeshLattice:
+    """PME's reciprocal-space tables for one cell, mesh and slab (:meth:`Coulomb._pme`).
+
+    ``kernel`` is torch-pme's ``G(k^2)`` (eV Å) at the slab's wave numbers, shaped
+    like the spectrum, ``(ky, kx, kz)``; ``moments`` (7, points) holds ``w G`` and
+    ``w G'(k^2) k_a k_b`` in Voigt order (xx yy zz yz xz xy), ``w`` how many points
+    of the whole spectrum each stored one stands for. ``key`` is the mesh's shape
+    and the slab's bounds.
+    """
+
+    cell: torch.Tensor
+    key: tuple
+    kernel: torch.Tensor
+    moments: torch.Tensor
 
 
 def _half_gradient(tensor: torch.Tensor) -> torch.Tensor:

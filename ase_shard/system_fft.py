@@ -1,0 +1,150 @@
+"""The 3-D FFT of a mesh summed over every rank, split in slabs (``LocalGraph.system_fft``).
+
+A PME sum spreads each rank's owned charges on a mesh of the whole cell; the
+transform is of the ranks' sum. Adding the meshes on every rank and
+transforming the whole on each (what ``system_sum`` would do) repeats the
+largest work of the step on every rank, and the ranks' transforms then share
+one memory bus. :class:`SystemFFT` splits it as a slab-decomposed FFT does
+(LAMMPS's PPPM, FFTW's MPI transforms): each rank adds up one slab of planes
+along the first axis, transforms it along the other two, and after a
+transpose (one personalised all-to-all) along the first; it then holds the
+spectrum of one slab of the second axis's wave numbers. The inverse goes back
+the same way and ends with every rank holding the whole real mesh, for its
+atoms to interpolate wherever they are.
+
+Transforms are unnormalised both ways (``numpy``'s ``norm="backward"``
+forward, ``norm="forward"`` inverse), as torch-pme's ``KSpaceFilter`` is
+used by :class:`ase_shard.models.Coulomb`. Everything here is a constant for
+autograd.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from ase_shard.comm import Comm
+from ase_shard.exchange import check_status
+
+
+class SystemFFT:
+    """``graph.system_fft``: the ranks' meshes summed and transformed, slab by slab.
+
+    Collective: every rank calls :meth:`forward` and then :meth:`inverse` with
+    meshes of the same shape. Each call starts with the calculator's status
+    vote (as :class:`ase_shard.system_sum.SystemSum` does), so that a rank
+    whose model raised stops the others instead of leaving them waiting.
+    """
+
+    def __init__(self, comm: Comm):
+        self.comm = comm
+
+    def forward(self, partial: torch.Tensor) -> tuple[torch.Tensor, slice]:
+        """This rank's slab of the transform of every rank's ``partial`` summed.
+
+        Parameters
+        ----------
+        partial : (nx, ny, nz) real tensor
+            This rank's mesh.
+
+        Returns
+        -------
+        spectrum : (len(rows), nx, nz // 2 + 1) complex tensor
+            ``torch.fft.rfftn`` of the summed mesh at the wave numbers ``rows``
+            of its second axis, that axis first (``rfftn(mesh).transpose(0,
+            1)[rows]``: the layout the transpose leaves, kept).
+        rows : slice
+            This rank's wave numbers along the second axis (indices).
+        """
+        check_status(*self.comm.status(False), "during a mesh transform")
+        nx, ny, nz = partial.shape
+        planes = _blocks(nx, self.comm.size)
+        mine = planes[self.comm.rank]
+        # every rank's part of this rank's planes, added in rank order
+        received = self.comm.alltoallv_rows(
+            partial.detach().to("cpu", torch.float64).numpy(), planes, np.full_like(planes, mine)
+        )
+        slab = received.reshape(self.comm.size, mine, ny, nz).sum(axis=0)
+        half = _unless_empty(  # (mine, ny, nz // 2 + 1)
+            lambda planes: torch.fft.rfftn(planes, dim=(1, 2)),
+            torch.from_numpy(slab),
+            (mine, ny, nz // 2 + 1),
+        )
+        columns = self._transpose(half, planes, _blocks(ny, self.comm.size))
+        spectrum = _unless_empty(  # (rows, nx, nz // 2 + 1)
+            lambda columns: torch.fft.fft(columns, dim=1), columns, columns.shape
+        )
+        return spectrum.to(partial.device), self._rows(ny)
+
+    def inverse(self, spectrum: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The whole real mesh of ``shape`` from every rank's slab of its spectrum.
+
+        The inverse of :meth:`forward`'s transform (unnormalised):
+        ``torch.fft.irfftn(whole_spectrum, s=shape, norm="forward")``, on every
+        rank. ``spectrum`` is this rank's slab, as :meth:`forward` returned it.
+        """
+        check_status(*self.comm.status(False), "during a mesh transform")
+        nx, ny, nz = shape
+        planes, rows = _blocks(nx, self.comm.size), _blocks(ny, self.comm.size)
+        columns = _unless_empty(
+            lambda spectrum: torch.fft.ifft(spectrum, dim=1, norm="forward"),
+            spectrum.detach().cpu(),
+            spectrum.shape,
+        )
+        half = self._transpose(columns, rows, planes)  # (mine, ny, nz // 2 + 1)
+        slab = _unless_empty(
+            lambda half: torch.fft.irfftn(half, s=(ny, nz), dim=(1, 2), norm="forward"),
+            half,
+            (half.shape[0], ny, nz),
+            torch.float64,
+        )
+        whole = self.comm.allgather_rows(slab.numpy(), planes)
+        return torch.from_numpy(whole).to(spectrum.device)
+
+    def _transpose(
+        self, block: torch.Tensor, held: np.ndarray, wanted: np.ndarray
+    ) -> torch.Tensor:
+        """From ``held[rank]`` rows of every column to every row of ``wanted[rank]`` columns.
+
+        ``block`` is ``(held[rank], C, k)`` with ``C = sum(wanted)``; the result is
+        ``(wanted[rank], R, k)``, ``R = sum(held)``, rows in rank order.
+        """
+        rank = self.comm.rank
+        depth = block.shape[2]
+        # what goes to rank s: the columns of its block, every held row (flattened)
+        outgoing = block.permute(1, 0, 2).contiguous().numpy().reshape(-1)
+        sent = wanted * held[rank] * depth
+        received = self.comm.alltoallv_rows(outgoing, sent, held * wanted[rank] * depth)
+        parts = np.split(received, np.cumsum(held * wanted[rank] * depth)[:-1])
+        shaped = [
+            part.reshape(wanted[rank], count, depth)
+            for part, count in zip(parts, held, strict=True)
+        ]
+        return torch.from_numpy(np.concatenate(shaped, axis=1))
+
+    def _rows(self, ny: int) -> slice:
+        """This rank's wave numbers along the second axis."""
+        blocks = _blocks(ny, self.comm.size)
+        start = int(blocks[: self.comm.rank].sum())
+        return slice(start, start + int(blocks[self.comm.rank]))
+
+
+def _blocks(count: int, ranks: int) -> np.ndarray:
+    """``count`` planes in ``ranks`` contiguous blocks, the first ones one larger."""
+    return np.full(ranks, count // ranks, dtype=np.int64) + (np.arange(ranks) < count % ranks)
+
+
+def _unless_empty(
+    transform: Callable[[torch.Tensor], torch.Tensor],
+    values: torch.Tensor,
+    shape: tuple[int, ...],
+    dtype: torch.dtype = torch.complex128,
+) -> torch.Tensor:
+    """``transform(values)``, or an empty tensor of ``shape`` where a rank holds no
+    planes or no wave numbers (an axis shorter than the rank count): the FFT
+    libraries refuse empty transforms."""
+    if values.numel() == 0:
+        return torch.empty(shape, dtype=dtype)
+    return transform(values)
