@@ -8,8 +8,6 @@ only collectives inside.
 
 from __future__ import annotations
 
-from dataclasses import astuple
-
 import numpy as np
 import torch
 
@@ -438,8 +436,6 @@ class LocalBlock:
     def pad(self, capacity: Capacities) -> None:
         """Give the compiled model graphs of these sizes from now on."""
         self.capacity = capacity
-        if self.exchange is not None:
-            self.exchange.pad(capacity.owned, capacity.ghosts)
 
     def _offsets(self, cell: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Cartesian offsets (Å) of the nodes' and the shifted edges' images."""
@@ -536,6 +532,12 @@ class LocalBlock:
             wrt = [vectors]
             exchange = None
             if self.exchange is not None:
+                # a Sum's terms share the exchange, each with its own rows (padded or not)
+                padded = self.capacity
+                if padded is None:
+                    self.exchange.pad(self.n_owned, self.n_nodes - self.n_owned)
+                else:
+                    self.exchange.pad(padded.owned, padded.ghosts)
                 wrt.append(self.exchange.new_evaluation(dtype))
                 exchange = self.exchange
             graph = LocalGraph(
@@ -729,14 +731,6 @@ class SumBlock:
     def __init__(self, blocks: list[LocalBlock]):
         self.blocks = list(blocks)
         self._columns: np.ndarray | None = None
-
-    def needed(self) -> Capacities:
-        """The largest sizes any term's padded graph needs (``Sum`` is not compiled)."""
-        sizes = [block.needed() for block in self.blocks]
-        return Capacities(*(max(values) for values in zip(*map(astuple, sizes), strict=True)))
-
-    def pad(self, capacity: Capacities) -> None:
-        raise NotImplementedError("a Sum of models is not compiled (supports_compile=False)")
 
     def evaluate(
         self,

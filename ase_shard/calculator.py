@@ -53,7 +53,7 @@ from ase_shard.layouts import (
     RootLayout,
 )
 from ase_shard.models.sum import Sum
-from ase_shard.padding import Capacities, CompiledModel
+from ase_shard.padding import Capacities, CompiledModel, runs_compiled
 from ase_shard.placement import checked_dtype, place_rank, placed
 from ase_shard.reuse import displacement_reason, forced_rebuild
 from ase_shard.settings import Settings, checked_timeout, rank_grid
@@ -107,7 +107,9 @@ class ShardedCalculator(Calculator):
         Run the model through ``torch.compile`` (``True``: the default
         backend; a string names the backend). Graphs are padded to capacities
         agreed by all ranks, so shapes change, and the model recompiles, only
-        when a capacity grows. Parts dynamo cannot compile run eagerly.
+        when a capacity grows. Parts dynamo cannot compile run eagerly. Each
+        term of a :class:`~ase_shard.models.Sum` is compiled on its own graphs;
+        a term that does not run compiled (``Coulomb``) runs eagerly beside them.
     timeout : float or None
         Seconds a rank waits at the start of a calculation for the other ranks
         (under mpirun, SPMD) before it aborts the MPI job with a message:
@@ -189,10 +191,11 @@ class ShardedCalculator(Calculator):
         self.halo = Halo(self.comm, self.device)
         self.layout: Layout = self._layout(ReplicatedLayout)
         self._block: LocalBlock | None = None
-        self._compiled = None
+        # one per term of a Sum (None for a term that runs eagerly), else one
+        self._compiled: list[CompiledModel | None] | None = None
         if compile:
             backend = compile if isinstance(compile, str) else "inductor"
-            self._compiled = CompiledModel(self.model, backend)
+            self._compiled = compiled_terms(self.model, backend)
         self._driving = False  # worker mode: rank 0 drives, the others serve
         self._on_close: list[Callable[[], None]] = []
         self._copies: list[Atoms] = []  # this call's Atoms: the caller's and ours
@@ -250,7 +253,7 @@ class ShardedCalculator(Calculator):
     def compile_fallbacks(self) -> int:
         """With ``compile``: how often torch.compile gave up on part of the model (run
         eagerly then, with a ``RuntimeWarning``)."""
-        return 0 if self._compiled is None else self._compiled.fallbacks
+        return sum(compiled.fallbacks for compiled in self._compiled or () if compiled)
 
     @property
     def halo_reach(self) -> float:
@@ -491,18 +494,21 @@ class ShardedCalculator(Calculator):
         rows = layout.with_ghosts(rows)
         state.owned_positions = rows[: state.rows.n_owned, :3].copy()
 
-        def own_block() -> tuple[tuple[int, ...], Capacities]:
+        def own_block() -> tuple[tuple[int, ...], list[Capacities]]:
             validate_rows(rows, state.rows, request.input_shapes)
             self._block = self._new_block(state, rows, request)
             planned = state.rows
             counts = (len(planned.ids), planned.n_owned, planned.n_nodes, len(planned.send_index))
-            return counts, self._block.needed()
+            return counts, [block.needed() for block in self._term_blocks()]
 
         views = self.comm.share(own_block)
         state.counts = np.array([view[0] for view in views], dtype=np.int64)
         if self._compiled is not None:
             # every rank pads to the same sizes, so they (re)compile together
-            self._block.pad(self._compiled.grow([view[1] for view in views]))
+            terms = zip(self._term_blocks(), self._compiled, strict=True)
+            for k, (block, compiled) in enumerate(terms):
+                if compiled is not None:
+                    block.pad(compiled.grow([view[1][k] for view in views]))
         if self.comm.is_root:
             owned, evaluated = state.counts[:, 1], state.counts[:, 2]
             logger.info(
@@ -521,7 +527,7 @@ class ShardedCalculator(Calculator):
         :class:`~ase_shard.models.Sum`: one block per term, each at its own cutoff)."""
         settings, plan = self.settings, self.halo.plan
 
-        def block(model: ShardModel, exchange) -> LocalBlock:
+        def block(model: ShardModel, exchange, compiled: CompiledModel | None) -> LocalBlock:
             return LocalBlock(
                 state.rows,
                 state.numbers,
@@ -532,7 +538,7 @@ class ShardedCalculator(Calculator):
                 device=self.device,
                 exchange=exchange,
                 timer=self.timer,
-                compiled=None if self._compiled is None else self._compiled.compiled,
+                compiled=None if compiled is None else compiled.compiled,
                 min_distance=settings.min_distance,
                 neighbor_list=settings.neighbor_list,
                 pair_halo=plan if self.comm.size > 1 and self._on_host_everywhere else None,
@@ -541,16 +547,17 @@ class ShardedCalculator(Calculator):
             )
 
         layer = settings.halo == "layer"
+        each = self._compiled or [None] * len(_terms(self.model))
         if isinstance(self.model, Sum):
             # a term exchanges through the plan if it can (a one-layer term, e.g. EMT,
             # has nothing to exchange)
             return SumBlock(
                 [
-                    block(term, plan if layer and supports_layer_halo(term) else None)
-                    for term in self.model.terms
+                    block(term, plan if layer and supports_layer_halo(term) else None, compiled)
+                    for term, compiled in zip(self.model.terms, each, strict=True)
                 ]
             )
-        return block(self.model, plan if layer else None)
+        return block(self.model, plan if layer else None, each[0])
 
     # -- 5. evaluation -----------------------------------------------------------------
 
@@ -575,8 +582,9 @@ class ShardedCalculator(Calculator):
                 request.system,
                 per_node_virials="stresses" in request.properties,
             )
-            if self._compiled is not None:
-                self._compiled.count_fallbacks()
+            for compiled in self._compiled or ():
+                if compiled is not None:
+                    compiled.count_fallbacks()
             # the closing status vote (see ase_shard.exchange)
             check_status(*comm.status(False, closing=True), "in its evaluation")
         except PeerFailure as exc:
@@ -595,6 +603,10 @@ class ShardedCalculator(Calculator):
         return columns
 
     # -- helpers -----------------------------------------------------------------------
+
+    def _term_blocks(self) -> list[LocalBlock]:
+        """The block of each term (of a ``Sum``: one per term), in the terms' order."""
+        return self._block.blocks if isinstance(self._block, SumBlock) else [self._block]
 
     def _layout(self, kind: type[Layout], **options: Any) -> Layout:
         """A new layout of ``kind`` over this calculator's communication and settings."""
@@ -620,3 +632,17 @@ class ShardedCalculator(Calculator):
 
 # help(ShardedCalculator.__init__) would otherwise show ASE's base-class text
 ShardedCalculator.__init__.__doc__ = ShardedCalculator.__doc__
+
+
+def _terms(model: ShardModel) -> list[ShardModel]:
+    """A :class:`~ase_shard.models.Sum`'s terms, or the model alone."""
+    return list(model.terms) if isinstance(model, Sum) else [model]
+
+
+def compiled_terms(model: ShardModel, backend: str) -> list[CompiledModel | None]:
+    """Each term compiled on its own graphs (``None`` for a term of a ``Sum`` that
+    does not run compiled: it runs eagerly); a model that is not a ``Sum`` is
+    compiled or refused (:class:`~ase_shard.padding.CompiledModel`)."""
+    if not isinstance(model, Sum) or not any(runs_compiled(term) for term in model.terms):
+        return [CompiledModel(term, backend) for term in _terms(model)]
+    return [CompiledModel(term, backend) if runs_compiled(term) else None for term in model.terms]

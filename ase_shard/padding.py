@@ -135,7 +135,7 @@ class CompiledModel:
     """
 
     def __init__(self, model: torch.nn.Module, backend: str):
-        if getattr(model, "supports_compile", True) is False or predicts_forces(model):
+        if not runs_compiled(model):
             raise ValueError(
                 f"{type(model).__name__} does not run compiled (compile=...): the padded "
                 "graphs' spare rows would change its results; run it without compile"
@@ -167,6 +167,12 @@ class CompiledModel:
                 RuntimeWarning,
                 stacklevel=3,
             )
+
+
+def runs_compiled(model: torch.nn.Module) -> bool:
+    """Whether ``torch.compile`` may run the model on padded graphs (see
+    :class:`CompiledModel`)."""
+    return getattr(model, "supports_compile", True) is not False and not predicts_forces(model)
 
 
 def _failed_frames() -> int:

@@ -113,3 +113,36 @@ def test_compiled_with_ranks_that_own_nothing() -> None:
     assert_ranks_own_nothing_iff_fewer_atoms(calc, len(atoms))
     assert_close_to(got, on_root(lambda: evaluate_periodic_graph(model, atoms)), RTOL)
     assert_identical_on_all_ranks(got)
+
+
+def test_a_sum_compiles_each_term_on_its_own_graphs() -> None:
+    """Message passing (compiled on its own padded graphs, its layers exchanged) plus
+    Coulomb with a charge model (eager: ``supports_compile = False``), both through the
+    one halo exchange: the message passing's one-graph evaluation plus torch-pme's sum."""
+    pytest.importorskip("torchpme")
+    from oracles import ase_results, torchpme_results
+    from test_coulomb import CUTOFF, coulomb_systems
+    from toy_models import ChargeTransfer
+
+    from ase_shard.models import Coulomb
+
+    torch._dynamo.reset()
+    atoms = coulomb_systems()["molten"]
+    passing = ToyMessagePassing(num_layers=2)
+    coulomb = Coulomb(charges=ChargeTransfer(), method="pme", cutoff=CUTOFF)
+
+    def reference() -> dict:
+        first = evaluate_periodic_graph(passing, atoms)
+        second = torchpme_results(coulomb, atoms)
+        return {key: first[key] + second[key] for key in second}
+
+    ref = on_root(reference)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    calc = ShardedCalculator(passing + coulomb, compile="aot_eager", halo="layer")
+    got = ase_results(calc, atoms)
+    assert_close_to(got, ref, RTOL)
+    assert_identical_on_all_ranks(got)
+    assert calc.compile_fallbacks == 0
+    # the message passing's padded graph only (Coulomb runs eagerly)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+    assert 1 <= graphs <= 2

@@ -68,10 +68,10 @@ class Sum(Addable, torch.nn.Module):
         Whether a term's energy reads absolute positions (a ``Coulomb`` term).
 
     The terms are evaluated in one dtype, the calculator's (``ShardedCalculator(...,
-    dtype=...)``, by default the first term's).
+    dtype=...)``, by default the first term's). With ``compile=...`` each term is
+    compiled on its own padded graphs; a term that does not run compiled
+    (``supports_compile = False``, e.g. ``Coulomb``) runs eagerly beside the others.
     """
-
-    supports_compile = False  # each term has its own block; padding is per graph
 
     def __init__(self, *terms: torch.nn.Module) -> None:
         super().__init__()
