@@ -9,8 +9,10 @@ one memory bus. :class:`SystemFFT` splits it as a slab-decomposed FFT does
 along the first axis, transforms it along the other two, and after a
 transpose (one personalised all-to-all) along the first; it then holds the
 spectrum of one slab of the second axis's wave numbers. The inverse goes back
-the same way and ends with every rank holding the whole real mesh, for its
-atoms to interpolate wherever they are.
+the same way and ends with every rank holding the real mesh on the planes
+its atoms touch. A rank sends and receives only those planes (those of its
+atoms' interpolation stencils): where the ranks' domains follow the first
+axis, as a spatial partition's slabs can, most planes stay on their rank.
 
 Transforms are unnormalised both ways (``numpy``'s ``norm="backward"``
 forward, ``norm="forward"`` inverse), as torch-pme's ``KSpaceFilter`` is
@@ -40,14 +42,18 @@ class SystemFFT:
 
     def __init__(self, comm: Comm):
         self.comm = comm
+        self._touched: np.ndarray | None = None  # (ranks, nx) planes each rank touches
 
-    def forward(self, partial: torch.Tensor) -> tuple[torch.Tensor, slice]:
+    def forward(self, partial: torch.Tensor, touched: torch.Tensor) -> tuple[torch.Tensor, slice]:
         """This rank's slab of the transform of every rank's ``partial`` summed.
 
         Parameters
         ----------
         partial : (nx, ny, nz) real tensor
-            This rank's mesh.
+            This rank's mesh, zero outside the planes ``touched``.
+        touched : (nx,) bool tensor
+            The planes along the first axis where this rank's mesh may be nonzero,
+            and where :meth:`inverse` is to give it the potential.
 
         Returns
         -------
@@ -60,34 +66,49 @@ class SystemFFT:
         """
         check_status(*self.comm.status(False), "during a mesh transform")
         nx, ny, nz = partial.shape
-        planes = _blocks(nx, self.comm.size)
-        mine = planes[self.comm.rank]
-        # every rank's part of this rank's planes, added in rank order
+        rank, size = self.comm.rank, self.comm.size
+        planes = _blocks(nx, size)
+        starts = np.concatenate([[0], np.cumsum(planes)])
+        mine = slice(starts[rank], starts[rank + 1])
+        mask = touched.detach().cpu().numpy().astype(np.uint8).reshape(1, nx)
+        self._touched = every = self.comm.allgather_rows(mask, [1] * size).astype(bool)
+        # each rank's touched planes in this rank's block, added in rank order
+        sent = _per_block(every[rank], starts)
         received = self.comm.alltoallv_rows(
-            partial.detach().to("cpu", torch.float64).numpy(), planes, np.full_like(planes, mine)
+            partial.detach().to("cpu", torch.float64).numpy()[every[rank]],
+            sent,
+            every[:, mine].sum(axis=1),
         )
-        slab = received.reshape(self.comm.size, mine, ny, nz).sum(axis=0)
+        slab = np.zeros((planes[rank], ny, nz))
+        first = 0
+        for sender in range(size):
+            at = np.flatnonzero(every[sender, mine])
+            slab[at] += received[first : first + len(at)]
+            first += len(at)
         half = _unless_empty(  # (mine, ny, nz // 2 + 1)
-            lambda planes: torch.fft.rfftn(planes, dim=(1, 2)),
+            lambda slab: torch.fft.rfftn(slab, dim=(1, 2)),
             torch.from_numpy(slab),
-            (mine, ny, nz // 2 + 1),
+            (planes[rank], ny, nz // 2 + 1),
         )
-        columns = self._transpose(half, planes, _blocks(ny, self.comm.size))
+        columns = self._transpose(half, planes, _blocks(ny, size))
         spectrum = _unless_empty(  # (rows, nx, nz // 2 + 1)
             lambda columns: torch.fft.fft(columns, dim=1), columns, columns.shape
         )
         return spectrum.to(partial.device), self._rows(ny)
 
     def inverse(self, spectrum: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        """The whole real mesh of ``shape`` from every rank's slab of its spectrum.
+        """The real mesh of ``shape`` from every rank's slab of its spectrum.
 
         The inverse of :meth:`forward`'s transform (unnormalised):
-        ``torch.fft.irfftn(whole_spectrum, s=shape, norm="forward")``, on every
-        rank. ``spectrum`` is this rank's slab, as :meth:`forward` returned it.
+        ``torch.fft.irfftn(whole_spectrum, s=shape, norm="forward")`` on the
+        planes this rank said it touched at :meth:`forward`, zero elsewhere.
+        ``spectrum`` is this rank's slab, as :meth:`forward` returned it.
         """
         check_status(*self.comm.status(False), "during a mesh transform")
         nx, ny, nz = shape
-        planes, rows = _blocks(nx, self.comm.size), _blocks(ny, self.comm.size)
+        rank, size = self.comm.rank, self.comm.size
+        planes, rows = _blocks(nx, size), _blocks(ny, size)
+        starts = np.concatenate([[0], np.cumsum(planes)])
         columns = _unless_empty(
             lambda spectrum: torch.fft.ifft(spectrum, dim=1, norm="forward"),
             spectrum.detach().cpu(),
@@ -99,9 +120,17 @@ class SystemFFT:
             half,
             (half.shape[0], ny, nz),
             torch.float64,
+        ).numpy()
+        # each rank's touched planes of this rank's block go back to it
+        every = self._touched
+        mine = slice(starts[rank], starts[rank + 1])
+        outgoing = np.concatenate([slab[every[receiver, mine]] for receiver in range(size)])
+        received = self.comm.alltoallv_rows(
+            outgoing, every[:, mine].sum(axis=1), _per_block(every[rank], starts)
         )
-        whole = self.comm.allgather_rows(slab.numpy(), planes)
-        return torch.from_numpy(whole).to(spectrum.device)
+        mesh = np.zeros((nx, ny, nz))
+        mesh[every[rank]] = received
+        return torch.from_numpy(mesh).to(spectrum.device)
 
     def _transpose(
         self, block: torch.Tensor, held: np.ndarray, wanted: np.ndarray
@@ -129,6 +158,13 @@ class SystemFFT:
         blocks = _blocks(ny, self.comm.size)
         start = int(blocks[: self.comm.rank].sum())
         return slice(start, start + int(blocks[self.comm.rank]))
+
+
+def _per_block(mask: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """How many of ``mask``'s planes fall in each rank's block (``starts``: the blocks'
+    bounds)."""
+    before = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
+    return before[starts[1:]] - before[starts[:-1]]
 
 
 def _blocks(count: int, ranks: int) -> np.ndarray:

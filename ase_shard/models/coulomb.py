@@ -237,7 +237,10 @@ class Coulomb(Addable, torch.nn.Module):
         if fft is None:
             density_k, rows = torch.fft.rfftn(spread).transpose(0, 1), slice(None)
         else:
-            density_k, rows = fft.forward(spread)
+            # the planes of the first axis that the owned atoms' stencils reach
+            touched = torch.zeros(spread.shape[0], dtype=torch.bool, device=spread.device)
+            touched[mesh.x_indices.reshape(-1)] = True
+            density_k, rows = fft.forward(spread, touched)
         lattice = self._lattice(cell.detach(), ns, rows)
         ivolume = cell.detach().det().abs().reciprocal()
 
