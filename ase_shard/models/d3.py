@@ -30,10 +30,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from ase.units import CODATA, Bohr, Hartree
 
-from ase_shard.graph import LocalGraph
+from ase_shard import d3_kernels
+from ase_shard.graph import EdgeList, LocalGraph
 from ase_shard.models.sum import Addable
 from ase_shard.models.triplets import angle_pairs
 
@@ -71,7 +73,10 @@ class D3(Addable, torch.nn.Module):
     two layers and exchanges the coordination numbers itself (``supports_layer_halo``):
     with the per-layer halo, each rank counts its owned atoms' and takes its ghosts'
     from their owners (``graph.exchange``, whose gradient brings dE/dCN back to them);
-    with the full halo, the ghosts' are counted from their own edges.
+    with the full halo, the ghosts' are counted from their own edges. On a CPU in
+    float64 with the per-layer halo the calculator evaluates it by a compiled kernel
+    instead (:meth:`energy_forces`, :mod:`ase_shard.d3_kernels`: the same formulas with
+    their derivatives written out, the exchanges on the host); elsewhere by autograd.
 
     Parameters
     ----------
@@ -188,6 +193,35 @@ class D3(Addable, torch.nn.Module):
         if self.damping_parameters["s9"] != 0.0:
             energies = energies + self._atm(graph, distance, owned_edges, c6)
         return energies * Hartree
+
+    def energy_forces(self, edges: EdgeList, out: np.ndarray) -> float:
+        """Energies (eV), forces (eV/Å) and virials (eV) by a compiled kernel.
+
+        See :class:`ase_shard.graph.DirectForces`: every edge centred on an owned
+        node, the ghosts' coordination numbers and dE/dCN through ``edges.halo``
+        (:mod:`ase_shard.d3_kernels`); returns the shortest listed edge's squared
+        length (Å²).
+        """
+        p = self.damping_parameters
+        # a damping's parameters; those of the other one are 0
+        names = ("s6", "s8", "s9", "a1", "a2", "rs6", "rs8", "alp")
+
+        def host(name: str) -> np.ndarray:
+            return getattr(self, name).detach().cpu().numpy()
+
+        params = d3_kernels.D3Parameters(
+            reference_cn=host("reference_cn"),
+            reference_c6=host("reference_c6"),
+            r4r2=host("r4r2"),
+            covalent_radius=host("covalent_radius"),
+            vdw_radius=host("vdw_radius"),
+            damping=d3_kernels.BJ if self.damping == "bj" else d3_kernels.ZERO,
+            **{name: p.get(name, 0.0) for name in names},
+            pair_cutoff=self.pair_cutoff,
+            cn_cutoff=self.cn_cutoff,
+            atm_cutoff=self.atm_cutoff,
+        )
+        return d3_kernels.d3_forces(params, edges, out)
 
     def _coordination_numbers(self, graph: LocalGraph, distance: torch.Tensor) -> torch.Tensor:
         """``(n,)`` D3 coordination numbers of every node that centres edges."""
