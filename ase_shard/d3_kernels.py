@@ -407,60 +407,64 @@ def _add_edge_vector_gradient(rows, i, j, gx, gy, gz, dx, dy, dz):  # pragma: no
 
 @numba.njit(cache=True, error_model="numpy")
 def _triangles(  # pragma: no cover - compiled
-    vdw_radius,
-    p,
-    atm_cutoff,
-    numbers,
-    kind,
-    weights,
-    dweights,
-    c6,
-    dc6,
-    positions,
-    centre,
-    neighbour,
-    image,
-    offsets,
-    start,
-    listed,
-    rows,
-    dcn,
-):
+    vdw_radius, p, atm_cutoff, numbers, kind, weights, dweights, c6, dc6, positions, centre,
+    neighbour, image, offsets, start, listed, rows, dcn,
+):  # fmt: skip
     """Pass 4: ATM energies, forces and virials, and dE/dCN of the three corners.
 
     At centre ``i``, every two edges ``(i, j)``, ``(i, k)`` of its group whose
     third side ``j-k`` is within the cutoff give ``i`` a third of the
     triangle's energy, and its derivatives to those two edges (the torch
-    model's ordered pairs, a sixth each, add up to the same).
+    model's ordered pairs, a sixth each, add up to the same). A centre's edges
+    (vectors, C6) are gathered once, and each edge's dE/dd and its far end's
+    dE/dCN summed over the centre's triangles before they reach the rows.
     """
     s9, exponent = p[2], (p[7] + 2.0) / 3.0
     inside = atm_cutoff * atm_cutoff
     radius_scale = ATM_RADIUS_SCALE * ATM_RADIUS_SCALE * ATM_RADIUS_SCALE
-    force_scale = Hartree / Bohr  # eV/Å per Hartree/bohr
     third = 1.0 / 3.0
-    for i in range(start.shape[0] - 1):
+    n_centres = start.shape[0] - 1
+    largest = 0
+    for i in range(n_centres):
+        largest = max(largest, start[i + 1] - start[i])
+    # per edge of the centre: vector (bohr), r^2, far end, C6 and its two derivatives;
+    # then the sums over triangles: dE/dd (Hartree/bohr) and the far end's dE/dCN
+    vector = np.empty((largest, 3))
+    length2 = np.empty(largest)
+    far = np.empty(largest, dtype=np.int64)
+    pair_c6 = np.empty((largest, 3))
+    gradient = np.empty((largest, 3))
+    far_dcn = np.empty(largest)
+    for i in range(n_centres):
         zi = numbers[i]
-        for a in range(start[i], start[i + 1]):
-            first = listed[a]
-            j = neighbour[first]
-            ax, ay, az = _edge(first, positions, centre, neighbour, image, offsets)
-            xij, yij, zij = ax / Bohr, ay / Bohr, az / Bohr
-            r2_ij = xij * xij + yij * yij + zij * zij
-            c6_ij, dc6_ij_i, dc6_ij_j = _pair_c6(kind, weights, dweights, c6, dc6, i, j)
-            for b in range(a + 1, start[i + 1]):
-                second = listed[b]
-                bx, by, bz = _edge(second, positions, centre, neighbour, image, offsets)
-                xik, yik, zik = bx / Bohr, by / Bohr, bz / Bohr
-                xjk, yjk, zjk = xik - xij, yik - yij, zik - zij
+        m = start[i + 1] - start[i]
+        for a in range(m):
+            e = listed[start[i] + a]
+            dx, dy, dz = _edge(e, positions, centre, neighbour, image, offsets)
+            vector[a, 0], vector[a, 1], vector[a, 2] = dx / Bohr, dy / Bohr, dz / Bohr
+            length2[a] = vector[a, 0] ** 2 + vector[a, 1] ** 2 + vector[a, 2] ** 2
+            far[a] = neighbour[e]
+            pair_c6[a, 0], pair_c6[a, 1], pair_c6[a, 2] = _pair_c6(
+                kind, weights, dweights, c6, dc6, i, far[a]
+            )
+            gradient[a, 0] = gradient[a, 1] = gradient[a, 2] = 0.0
+            far_dcn[a] = 0.0
+        energy_i = dcn_i = 0.0
+        for a in range(m):
+            j, zj = far[a], numbers[far[a]]
+            xij, yij, zij = vector[a, 0], vector[a, 1], vector[a, 2]
+            r2_ij = length2[a]
+            c6_ij = pair_c6[a, 0]
+            for b in range(a + 1, m):
+                xjk, yjk, zjk = vector[b, 0] - xij, vector[b, 1] - yij, vector[b, 2] - zij
                 r2_jk = xjk * xjk + yjk * yjk + zjk * zjk
                 if r2_jk > inside:
                     continue
-                k = neighbour[second]
-                r2_ik = xik * xik + yik * yik + zik * zik
-                c6_ik, dc6_ik_i, dc6_ik_k = _pair_c6(kind, weights, dweights, c6, dc6, i, k)
+                k, zk = far[b], numbers[far[b]]
+                r2_ik = length2[b]
+                c6_ik = pair_c6[b, 0]
                 c6_jk, dc6_jk_j, dc6_jk_k = _pair_c6(kind, weights, dweights, c6, dc6, j, k)
                 c9 = math.sqrt(abs(c6_ij * c6_ik * c6_jk))
-                zj, zk = numbers[j], numbers[k]
                 radius = radius_scale * (
                     vdw_radius[zi, zj] * vdw_radius[zi, zk] * vdw_radius[zj, zk]
                 )
@@ -475,54 +479,39 @@ def _triangles(  # pragma: no cover - compiled
                 product = sa * sb * sc
                 inverse5 = 1.0 / (r3 * r2)
                 angular = 0.375 * product * inverse5 + 1.0 / r3
-                energy = s9 * c9 * angular * damp
-                rows[i, 0] += third * energy * Hartree
+                energy = third * s9 * c9 * angular * damp  # the centre's third
+                energy_i += energy
                 # d(angular)/d(r2_xy) = 0.375 dP/dr2_xy / r^5 + dangular/dX X / r2_xy,
                 # X = r2_ij r2_ik r2_jk; d(damp)/d(r2_xy) likewise through X
-                dx_part = -2.5 * 0.375 * product * inverse5 - 1.5 / r3
-                ddamp = 0.5 * exponent * u * damp * damp
+                scale = third * s9 * c9
+                through_x = (-2.5 * 0.375 * product * inverse5 - 1.5 / r3) * damp
+                through_x += angular * 0.5 * exponent * u * damp * damp
                 bc, ac, ab = sb * sc, sa * sc, sa * sb
-                d_ij = (
-                    third
-                    * s9
-                    * c9
-                    * (
-                        (0.375 * (bc + ac - ab) * inverse5 + dx_part / r2_ij) * damp
-                        + angular * ddamp / r2_ij
-                    )
-                )
-                d_ik = (
-                    third
-                    * s9
-                    * c9
-                    * (
-                        (0.375 * (-bc + ac + ab) * inverse5 + dx_part / r2_ik) * damp
-                        + angular * ddamp / r2_ik
-                    )
-                )
-                d_jk = (
-                    third
-                    * s9
-                    * c9
-                    * (
-                        (0.375 * (bc - ac + ab) * inverse5 + dx_part / r2_jk) * damp
-                        + angular * ddamp / r2_jk
-                    )
-                )
+                d_ij = scale * (0.375 * (bc + ac - ab) * inverse5 * damp + through_x / r2_ij)
+                d_ik = scale * (0.375 * (-bc + ac + ab) * inverse5 * damp + through_x / r2_ik)
+                d_jk = scale * (0.375 * (bc - ac + ab) * inverse5 * damp + through_x / r2_jk)
                 # dE/dC6 = E / (2 C6) through c9
-                de = third * 0.5 * energy
-                dcn[i] += de * (dc6_ij_i / c6_ij + dc6_ik_i / c6_ik)
-                dcn[j] += de * (dc6_ij_j / c6_ij + dc6_jk_j / c6_jk)
-                dcn[k] += de * (dc6_ik_k / c6_ik + dc6_jk_k / c6_jk)
+                de = 0.5 * energy
+                dcn_i += de * (pair_c6[a, 1] / c6_ij + pair_c6[b, 1] / c6_ik)
+                far_dcn[a] += de * (pair_c6[a, 2] / c6_ij + dc6_jk_j / c6_jk)
+                far_dcn[b] += de * (pair_c6[b, 2] / c6_ik + dc6_jk_k / c6_jk)
                 # dE/dd_ij = 2 d_ij v_ij - 2 d_jk v_jk, dE/dd_ik = 2 d_ik v_ik + 2 d_jk v_jk
-                gx = 2.0 * force_scale * (d_ij * xij - d_jk * xjk)
-                gy = 2.0 * force_scale * (d_ij * yij - d_jk * yjk)
-                gz = 2.0 * force_scale * (d_ij * zij - d_jk * zjk)
-                _add_edge_vector_gradient(rows, i, j, gx, gy, gz, ax, ay, az)
-                gx = 2.0 * force_scale * (d_ik * xik + d_jk * xjk)
-                gy = 2.0 * force_scale * (d_ik * yik + d_jk * yjk)
-                gz = 2.0 * force_scale * (d_ik * zik + d_jk * zjk)
-                _add_edge_vector_gradient(rows, i, k, gx, gy, gz, bx, by, bz)
+                gradient[a, 0] += 2.0 * (d_ij * xij - d_jk * xjk)
+                gradient[a, 1] += 2.0 * (d_ij * yij - d_jk * yjk)
+                gradient[a, 2] += 2.0 * (d_ij * zij - d_jk * zjk)
+                gradient[b, 0] += 2.0 * (d_ik * vector[b, 0] + d_jk * xjk)
+                gradient[b, 1] += 2.0 * (d_ik * vector[b, 1] + d_jk * yjk)
+                gradient[b, 2] += 2.0 * (d_ik * vector[b, 2] + d_jk * zjk)
+        rows[i, 0] += energy_i * Hartree
+        dcn[i] += dcn_i
+        for a in range(m):
+            dcn[far[a]] += far_dcn[a]
+            # eV/Å on the edge's vector in Å
+            g = Hartree / Bohr
+            _add_edge_vector_gradient(
+                rows, i, far[a], g * gradient[a, 0], g * gradient[a, 1], g * gradient[a, 2],
+                vector[a, 0] * Bohr, vector[a, 1] * Bohr, vector[a, 2] * Bohr,
+            )  # fmt: skip
 
 
 @numba.njit(cache=True, error_model="numpy")
