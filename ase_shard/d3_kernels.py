@@ -367,19 +367,19 @@ def _centre_groups(  # pragma: no cover - compiled
 ):
     """The edges within the ATM cutoff grouped by centre: ``listed[start[i]:start[i + 1]]``."""
     start = np.zeros(n_owned + 1, dtype=np.int64)
+    within = np.zeros(centre.shape[0], dtype=np.bool_)  # a byte an edge: no second sqrt
     for e in range(centre.shape[0]):
         dx, dy, dz = _edge(e, positions, centre, neighbour, image, offsets)
         r2 = dx * dx + dy * dy + dz * dz
         if r2 < cutoff2 and math.sqrt(r2) / Bohr <= atm_cutoff:
+            within[e] = True
             start[centre[e] + 1] += 1
     for i in range(n_owned):
         start[i + 1] += start[i]
     listed = np.empty(start[n_owned], dtype=np.int64)
     filled = start[:n_owned].copy()
     for e in range(centre.shape[0]):
-        dx, dy, dz = _edge(e, positions, centre, neighbour, image, offsets)
-        r2 = dx * dx + dy * dy + dz * dz
-        if r2 < cutoff2 and math.sqrt(r2) / Bohr <= atm_cutoff:
+        if within[e]:
             listed[filled[centre[e]]] = e
             filled[centre[e]] += 1
     return start, listed
