@@ -415,8 +415,12 @@ def _triangles(  # pragma: no cover - compiled
     At centre ``i``, every two edges ``(i, j)``, ``(i, k)`` of its group whose
     third side ``j-k`` is within the cutoff give ``i`` a third of the
     triangle's energy, and its derivatives to those two edges (the torch
-    model's ordered pairs, a sixth each, add up to the same). A centre's edges
-    (vectors, C6) are gathered once, and each edge's dE/dd and its far end's
+    model's ordered pairs, a sixth each, add up to the same). A triangle of
+    three different owned nodes is taken once instead, at its lowest node,
+    for every corner: each corner's third and its derivatives on that corner's
+    two edges, as the corner would take them (its edges to ``i`` are ``i``'s
+    reversed; the edge ``j-k`` is added directly). A centre's edges (vectors,
+    C6) are gathered once, and each edge's dE/dd and its far end's energy and
     dE/dCN summed over the centre's triangles before they reach the rows.
     """
     s9, exponent = p[2], (p[7] + 2.0) / 3.0
@@ -435,6 +439,7 @@ def _triangles(  # pragma: no cover - compiled
     pair_c6 = np.empty((largest, 3))
     gradient = np.empty((largest, 3))
     far_dcn = np.empty(largest)
+    far_energy = np.empty(largest)
     for i in range(n_centres):
         zi = numbers[i]
         m = start[i + 1] - start[i]
@@ -448,7 +453,7 @@ def _triangles(  # pragma: no cover - compiled
                 kind, weights, dweights, c6, dc6, i, far[a]
             )
             gradient[a, 0] = gradient[a, 1] = gradient[a, 2] = 0.0
-            far_dcn[a] = 0.0
+            far_dcn[a] = far_energy[a] = 0.0
         energy_i = dcn_i = 0.0
         for a in range(m):
             j, zj = far[a], numbers[far[a]]
@@ -456,11 +461,14 @@ def _triangles(  # pragma: no cover - compiled
             r2_ij = length2[a]
             c6_ij = pair_c6[a, 0]
             for b in range(a + 1, m):
+                k, zk = far[b], numbers[far[b]]
+                whole = j < n_centres and k < n_centres and j != k and j != i and k != i
+                if whole and (j < i or k < i):
+                    continue  # the lowest of three owned nodes takes the whole triangle
                 xjk, yjk, zjk = vector[b, 0] - xij, vector[b, 1] - yij, vector[b, 2] - zij
                 r2_jk = xjk * xjk + yjk * yjk + zjk * zjk
                 if r2_jk > inside:
                     continue
-                k, zk = far[b], numbers[far[b]]
                 r2_ik = length2[b]
                 c6_ik = pair_c6[b, 0]
                 c6_jk, dc6_jk_j, dc6_jk_k = _pair_c6(kind, weights, dweights, c6, dc6, j, k)
@@ -490,22 +498,46 @@ def _triangles(  # pragma: no cover - compiled
                 d_ij = scale * (0.375 * (bc + ac - ab) * inverse5 * damp + through_x / r2_ij)
                 d_ik = scale * (0.375 * (-bc + ac + ab) * inverse5 * damp + through_x / r2_ik)
                 d_jk = scale * (0.375 * (bc - ac + ab) * inverse5 * damp + through_x / r2_jk)
-                # dE/dC6 = E / (2 C6) through c9
-                de = 0.5 * energy
+                # dE/dC6 = E / (2 C6) through c9, of one corner's third or of all three
+                de = 1.5 * energy if whole else 0.5 * energy
                 dcn_i += de * (pair_c6[a, 1] / c6_ij + pair_c6[b, 1] / c6_ik)
                 far_dcn[a] += de * (pair_c6[a, 2] / c6_ij + dc6_jk_j / c6_jk)
                 far_dcn[b] += de * (pair_c6[b, 2] / c6_ik + dc6_jk_k / c6_jk)
-                # dE/dd_ij = 2 d_ij v_ij - 2 d_jk v_jk, dE/dd_ik = 2 d_ik v_ik + 2 d_jk v_jk
-                gradient[a, 0] += 2.0 * (d_ij * xij - d_jk * xjk)
-                gradient[a, 1] += 2.0 * (d_ij * yij - d_jk * yjk)
-                gradient[a, 2] += 2.0 * (d_ij * zij - d_jk * zjk)
-                gradient[b, 0] += 2.0 * (d_ik * vector[b, 0] + d_jk * xjk)
-                gradient[b, 1] += 2.0 * (d_ik * vector[b, 1] + d_jk * yjk)
-                gradient[b, 2] += 2.0 * (d_ik * vector[b, 2] + d_jk * zjk)
+                # i's third: dE/dd_ij = 2 d_ij v_ij - 2 d_jk v_jk, dE/dd_ik = 2 d_ik v_ik
+                # + 2 d_jk v_jk (each d the derivative of a third w.r.t. a squared side)
+                xik, yik, zik = vector[b, 0], vector[b, 1], vector[b, 2]
+                if not whole:
+                    gradient[a, 0] += 2.0 * (d_ij * xij - d_jk * xjk)
+                    gradient[a, 1] += 2.0 * (d_ij * yij - d_jk * yjk)
+                    gradient[a, 2] += 2.0 * (d_ij * zij - d_jk * zjk)
+                    gradient[b, 0] += 2.0 * (d_ik * xik + d_jk * xjk)
+                    gradient[b, 1] += 2.0 * (d_ik * yik + d_jk * yjk)
+                    gradient[b, 2] += 2.0 * (d_ik * zik + d_jk * zjk)
+                    continue
+                # with j's (dE/dd_ji = 2 d_ij v_ji - 2 d_ik v_ik, dE/dd_jk = 2 d_jk v_jk +
+                # 2 d_ik v_ik) and k's (dE/dd_ki = 2 d_ik v_ki - 2 d_ij v_ij, dE/dd_kj =
+                # 2 d_jk v_kj + 2 d_ij v_ij) thirds; edge (j, i) is edge (i, j) with -dE/dd
+                far_energy[a] += energy
+                far_energy[b] += energy
+                gradient[a, 0] += 4.0 * d_ij * xij - 2.0 * d_jk * xjk + 2.0 * d_ik * xik
+                gradient[a, 1] += 4.0 * d_ij * yij - 2.0 * d_jk * yjk + 2.0 * d_ik * yik
+                gradient[a, 2] += 4.0 * d_ij * zij - 2.0 * d_jk * zjk + 2.0 * d_ik * zik
+                gradient[b, 0] += 4.0 * d_ik * xik + 2.0 * d_jk * xjk + 2.0 * d_ij * xij
+                gradient[b, 1] += 4.0 * d_ik * yik + 2.0 * d_jk * yjk + 2.0 * d_ij * yij
+                gradient[b, 2] += 4.0 * d_ik * zik + 2.0 * d_jk * zjk + 2.0 * d_ij * zij
+                g = Hartree / Bohr
+                _add_edge_vector_gradient(
+                    rows, j, k,
+                    g * (4.0 * d_jk * xjk + 2.0 * d_ik * xik - 2.0 * d_ij * xij),
+                    g * (4.0 * d_jk * yjk + 2.0 * d_ik * yik - 2.0 * d_ij * yij),
+                    g * (4.0 * d_jk * zjk + 2.0 * d_ik * zik - 2.0 * d_ij * zij),
+                    xjk * Bohr, yjk * Bohr, zjk * Bohr,
+                )  # fmt: skip
         rows[i, 0] += energy_i * Hartree
         dcn[i] += dcn_i
         for a in range(m):
             dcn[far[a]] += far_dcn[a]
+            rows[far[a], 0] += far_energy[a] * Hartree
             # eV/Å on the edge's vector in Å
             g = Hartree / Bohr
             _add_edge_vector_gradient(
