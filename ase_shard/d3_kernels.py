@@ -14,19 +14,22 @@ kernel runs in passes with two halo exchanges between them:
    ends through ``C6_ij``;
 4. three-body (ATM) triangles, when ``s9 != 0``: at each owned centre, every
    two of its edges within the ATM cutoff whose third side is too, from the
-   centre's edges grouped by centre (built per call, one counting sort);
-   energy, forces and virials on the centre's two edges (as autograd puts them),
-   ``dE/dCN`` of the three corners;
+   edges grouped by centre (built per call, one counting sort); energy, forces
+   and virials on the corner's two edges (as autograd puts them), ``dE/dCN``
+   of the three corners. A triangle of three owned nodes is taken once, for
+   its three corners;
 5. the ghosts' ``dE/dCN`` summed into their owners (``sum_ghost_columns``),
    then the forces and virials of ``dE/dCN dCN/dd`` over the CN edges.
 
 The edges are every edge centred on an owned node: a pair of owned nodes is
 taken once, from its edge with ``i < j`` (:func:`ase_shard.kernels._ends`
 without a split), for its pair energy and both ends' coordination numbers; a
-triangle is taken at each of its owned corners for that corner's third. Each
-edge's ``dE/dd`` is split between its ends' virials as the autograd path
-splits it (:func:`ase_shard.block.sum_edge_gradients`), so per-atom virials
-agree too. Lengths are in bohr and energies in Hartree inside, eV and Å out.
+triangle of three different owned nodes at its lowest node. A triangle with
+a corner on another rank is taken by each rank at its own corners, for those
+corners only: no triangle terms cross ranks. Each edge's ``dE/dd`` is split
+between its ends' virials as the autograd path splits it
+(:func:`ase_shard.block.sum_edge_gradients`), so per-atom virials agree too.
+Lengths are in bohr and energies in Hartree inside, eV and Å out.
 """
 
 from __future__ import annotations

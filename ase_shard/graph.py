@@ -436,8 +436,8 @@ class DirectForces(Protocol):
     the host.
 
     ``ShardedCalculator`` uses it on CPU in float64, without ``torch.compile``,
-    for a one-layer model with the full halo, or a two-stage model with the
-    per-layer halo when every rank evaluates on the host; anywhere else, and
+    for a one-layer model (given no per-layer exchange), or a two-stage model
+    with the per-layer halo when every rank evaluates on the host; anywhere else, and
     for ``forward``, the model's autograd path counts. The built-in potentials
     have it (``ase_shard.kernels``, ``ase_shard.d3_kernels``).
     """
