@@ -42,12 +42,12 @@ import numpy as np
 from ase.units import Bohr, Hartree
 
 from ase_shard.graph import EdgeList
-from ase_shard.kernels import _add_node_sums, _add_virial, _arrays, _edge, _ends
+from ase_shard.kernels import _add_node_sums, _arrays, _edge, _ends
 
-# D3's constants, as in ase_shard.models.d3
-COUNTING_STEEPNESS = 16.0
-WEIGHTING_FACTOR = 4.0
-ATM_RADIUS_SCALE = 4.0 / 3.0
+# D3's constants (ase_shard.models.d3 takes them from here)
+COUNTING_STEEPNESS = 16.0  # s-dftd3's kcn
+WEIGHTING_FACTOR = 4.0  # s-dftd3's wf, the Gaussian's width in CN
+ATM_RADIUS_SCALE = 4.0 / 3.0  # s-dftd3's rs9
 
 # damping forms
 BJ, ZERO = 0, 1
@@ -297,16 +297,23 @@ def _pair_kernel(r4r2, vdw_radius, damping, p, zi, zj, r):  # pragma: no cover -
 
 
 @numba.njit(cache=True, error_model="numpy", inline="always")
-def _add_edge_gradient(rows, i, j, c, dx, dy, dz):  # pragma: no cover - compiled
-    """An edge's ``dE/dd = c d`` (eV/Å, ``d`` Å): ``+-c d`` on its ends, half its virial each."""
-    rows[i, 1] += c * dx
-    rows[i, 2] += c * dy
-    rows[i, 3] += c * dz
-    rows[j, 1] -= c * dx
-    rows[j, 2] -= c * dy
-    rows[j, 3] -= c * dz
-    _add_virial(rows, i, 0.5 * c, dx, dy, dz)
-    _add_virial(rows, j, 0.5 * c, dx, dy, dz)
+def _add_edge_vector_gradient(rows, i, j, gx, gy, gz, dx, dy, dz):  # pragma: no cover
+    """An edge's ``dE/dd = g`` (eV/Å): ``+-g`` on its ends, half of ``sym(d ⊗ g)`` each."""
+    rows[i, 1] += gx
+    rows[i, 2] += gy
+    rows[i, 3] += gz
+    rows[j, 1] -= gx
+    rows[j, 2] -= gy
+    rows[j, 3] -= gz
+    xx, yy, zz = 0.5 * dx * gx, 0.5 * dy * gy, 0.5 * dz * gz
+    yz, xz, xy = 0.25 * (dy * gz + dz * gy), 0.25 * (dx * gz + dz * gx), 0.25 * (dx * gy + dy * gx)
+    for node in (i, j):
+        rows[node, 4] += xx
+        rows[node, 5] += yy
+        rows[node, 6] += zz
+        rows[node, 7] += yz
+        rows[node, 8] += xz
+        rows[node, 9] += xy
 
 
 @numba.njit(cache=True, error_model="numpy")
@@ -361,7 +368,8 @@ def _pairs(  # pragma: no cover - compiled
             rows[j, 0] += energy
         dcn[i] += share * value * dc6_i
         dcn[j] += share * value * dc6_j
-        _add_edge_gradient(rows, i, j, share * pair_c6 * dvalue * scale / r, dx, dy, dz)
+        c = share * pair_c6 * dvalue * scale / r  # dE/dd = c d
+        _add_edge_vector_gradient(rows, i, j, c * dx, c * dy, c * dz, dx, dy, dz)
 
 
 @numba.njit(cache=True, error_model="numpy")
@@ -386,26 +394,6 @@ def _centre_groups(  # pragma: no cover - compiled
             listed[filled[centre[e]]] = e
             filled[centre[e]] += 1
     return start, listed
-
-
-@numba.njit(cache=True, error_model="numpy", inline="always")
-def _add_edge_vector_gradient(rows, i, j, gx, gy, gz, dx, dy, dz):  # pragma: no cover
-    """An edge's ``dE/dd = g`` (eV/Å): ``+-g`` on its ends, half of ``sym(d ⊗ g)`` each."""
-    rows[i, 1] += gx
-    rows[i, 2] += gy
-    rows[i, 3] += gz
-    rows[j, 1] -= gx
-    rows[j, 2] -= gy
-    rows[j, 3] -= gz
-    xx, yy, zz = 0.5 * dx * gx, 0.5 * dy * gy, 0.5 * dz * gz
-    yz, xz, xy = 0.25 * (dy * gz + dz * gy), 0.25 * (dx * gz + dz * gx), 0.25 * (dx * gy + dy * gx)
-    for node in (i, j):
-        rows[node, 4] += xx
-        rows[node, 5] += yy
-        rows[node, 6] += zz
-        rows[node, 7] += yz
-        rows[node, 8] += xz
-        rows[node, 9] += xy
 
 
 @numba.njit(cache=True, error_model="numpy")
@@ -580,4 +568,5 @@ def _coordination_forces(  # pragma: no cover - compiled
             continue
         _, dcount = _count(covalent_radius, numbers[i], numbers[j], r)
         weight = dcn[i] + dcn[j] if ends == 2 else dcn[i]
-        _add_edge_gradient(rows, i, j, weight * dcount * scale / r, dx, dy, dz)
+        c = weight * dcount * scale / r  # dE/dd = c d
+        _add_edge_vector_gradient(rows, i, j, c * dx, c * dy, c * dz, dx, dy, dz)

@@ -44,9 +44,6 @@ DEFAULT_CUTOFF = 60.0 * Bohr
 DEFAULT_ATM_CUTOFF = 40.0 * Bohr
 DEFAULT_CN_CUTOFF = 40.0 * Bohr
 
-_COUNTING_STEEPNESS = 16.0  # s-dftd3's kcn
-_WEIGHTING_FACTOR = 4.0  # s-dftd3's wf, the Gaussian's width in CN
-_ATM_RADIUS_SCALE = 4.0 / 3.0  # s-dftd3's rs9
 # mctc-lib's bohr in Å (mctc_io_convert), which s-dftd3's radii are in: hbar / (me c alpha)
 # from CODATA 2018, computed as there (ASE's 2018 units derive alpha from mu0, 3e-12 off)
 _CODATA_2018 = CODATA["2018"]
@@ -229,7 +226,7 @@ class D3(Addable, torch.nn.Module):
         counted = torch.nonzero(distance <= self.cn_cutoff / Bohr).squeeze(-1)
         i, j = centre[counted], neighbour[counted]
         rc = self.covalent_radius[graph.numbers[i]] + self.covalent_radius[graph.numbers[j]]
-        count = torch.sigmoid(_COUNTING_STEEPNESS * (rc / distance[counted] - 1.0))
+        count = torch.sigmoid(d3_kernels.COUNTING_STEEPNESS * (rc / distance[counted] - 1.0))
         return distance.new_zeros(graph.n_atoms).index_add(0, i, count)
 
     def _reference_weights(self, numbers: torch.Tensor, cn: torch.Tensor) -> torch.Tensor:
@@ -241,7 +238,7 @@ class D3(Addable, torch.nn.Module):
         gives the same without underflow, and a finite gradient.
         """
         reference_cn = self.reference_cn[numbers]
-        exponent = -_WEIGHTING_FACTOR * (reference_cn - cn.unsqueeze(-1)) ** 2
+        exponent = -d3_kernels.WEIGHTING_FACTOR * (reference_cn - cn.unsqueeze(-1)) ** 2
         exponent = torch.where(reference_cn >= 0.0, exponent, -torch.inf)
         shift = exponent.max(dim=-1, keepdim=True).values.detach()
         gaussian = torch.exp(exponent - shift)
@@ -295,7 +292,7 @@ class D3(Addable, torch.nn.Module):
 
         c9 = torch.sqrt(torch.abs(c6(i, j) * c6(i, k) * c6(j, k)))
         zi, zj, zk = numbers[i], numbers[j], numbers[k]
-        radius = _ATM_RADIUS_SCALE**3 * (
+        radius = d3_kernels.ATM_RADIUS_SCALE**3 * (
             self.vdw_radius[zi, zj] * self.vdw_radius[zi, zk] * self.vdw_radius[zj, zk]
         )
         r2 = r2_ij * r2_ik * r2_jk
