@@ -254,10 +254,13 @@ class LocalBlock:
     neighbor_list : {"auto", "numba", "vesin", "torch"}
         The neighbour search (see :func:`ase_shard.neighbors.neighbor_pairs`).
     pair_halo : HaloExchange, optional
-        Given on every rank, or on none: with it a model that declares
-        ``newton_pair`` and sums its own forces here evaluates a pair between
-        two ranks on one of them (:func:`centre_takes_pair`), exchanging
-        per-node sums through it (:attr:`ase_shard.graph.EdgeList.halo`).
+        Given on every rank when every rank evaluates on the host (several
+        ranks), else on none: with it a model that declares ``newton_pair``
+        and sums its own forces here evaluates a pair between two ranks on
+        one of them (:func:`centre_takes_pair`), exchanging per-node sums
+        through it (:attr:`ase_shard.graph.EdgeList.halo`); a two-stage model
+        that sums its own forces does so with the per-layer halo (``exchange``)
+        only with it or on one rank, as its exchanges are then the host's.
     system_sum : callable, optional
         Given to the model's graphs as ``LocalGraph.system_sum`` (a
         :class:`ase_shard.system_sum.SystemSum` on several ranks).
@@ -304,17 +307,30 @@ class LocalBlock:
         self.capacity: Capacities | None = None
         self._shift_cell: np.ndarray | None = None  # cell of the cached offsets
         self._result: torch.Tensor | None = None
-        # a one-layer built-in potential sums its own forces on a CPU in float64 (no autograd)
-        on_host = self.device.type == "cpu" and exchange is None and compiled is None
+        # a built-in potential sums its own forces on a CPU in float64 (no autograd)
+        on_host = self.device.type == "cpu" and compiled is None
         on_host = on_host and model_dtype(model) == torch.float64
         self._direct = direct_forces(model) if on_host else None
+        # the halo its kernel exchanges per-node columns through (GhostColumns)
+        self._halo: HaloExchange | None = None
+        if self._direct is not None and int(model.num_layers) > 1:
+            # two stages: the per-layer halo's plan carries the first stage's columns
+            # to the ghosts and their derivatives back, as host collectives that every
+            # rank must make: pair_halo says all ranks evaluate on the host
+            one_rank = exchange is not None and exchange.comm.size == 1
+            self._halo = exchange if pair_halo is not None or one_rank else None
+            if self._halo is None:
+                self._direct = None
+        elif exchange is not None:
+            self._direct = None
         self._columns: np.ndarray | None = None  # the direct path's result
         # forces and virials as the model's outputs (PredictedForces): no autograd
         self._predicts = predicts_forces(model)
         # an energy of absolute positions and the cell: their gradients add to the edges'
         self._uses_positions = uses_positions(model)
         newton_pair = self._direct is not None and takes_pairs_once(model)
-        self._pair_halo = pair_halo if newton_pair else None
+        if newton_pair:
+            self._halo = pair_halo
         types = getattr(model, "atomic_types", None)
         self.fill_number = int(min(types)) if types else 1  # padding nodes' element
 
@@ -378,7 +394,7 @@ class LocalBlock:
         688,000 edges to ghosts: about 1 ms of a 60 ms step).
         """
         keep = neighbour >= centre  # ghosts are numbered after every owned node
-        if self._pair_halo is None:
+        if self._halo is None:
             return keep.nonzero().squeeze(1)
         ghost = (neighbour >= self.n_owned).nonzero().squeeze(1)
         ends = self.ids[centre[ghost].numpy()], self.ids[neighbour[ghost].numpy()]
@@ -505,9 +521,10 @@ class LocalBlock:
         gives its owned atoms' columns itself, without autograd; its ghosts'
         columns are zero.
 
-        A one-layer model with ``energy_forces`` (:class:`ase_shard.graph.DirectForces`,
-        the built-in potentials) computes the columns itself on a CPU in
-        float64 without ``torch.compile``, from the edges listed at the last
+        A model with ``energy_forces`` (:class:`ase_shard.graph.DirectForces`,
+        the built-in potentials and D3) computes the columns itself on a CPU in
+        float64 without ``torch.compile`` (one layer without the per-layer
+        halo, or two stages with it), from the edges listed at the last
         rebuild: no edge vectors, cutoff filtering or autograd here.
         """
         if self._direct is not None:
@@ -634,7 +651,7 @@ class LocalBlock:
                 shifts @ cell,
                 self.n_owned,
                 float(self.model.cutoff),
-                self._pair_halo,
+                self._halo,
                 per_node_virials,
             )
             closest = self._direct.energy_forces(edges, columns)

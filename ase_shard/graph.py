@@ -397,7 +397,9 @@ class EdgeList:
         pair between two ranks on one of them only, and the model takes
         each edge to a ghost for both ends, exchanging the ghost ends'
         per-node sums through ``halo`` (collective: every rank calls the same
-        exchanges in the same order; see :mod:`ase_shard.kernels`).
+        exchanges in the same order; see :mod:`ase_shard.kernels`). Always
+        given to a model of two stages (see :class:`DirectForces`), which
+        exchanges its first stage's per-node values through it.
     per_node_virials : bool
         ``False`` when only the total virial is wanted (no per-atom stresses
         asked for): a model may then put it in any node's virial columns, as
@@ -433,7 +435,7 @@ class GhostColumns(Protocol):
 
 
 class DirectForces(Protocol):
-    """Optional for one-layer models: energies, forces and virials without autograd.
+    """Optional for one-layer and two-stage models: energies, forces and virials without autograd.
 
     ``energy_forces(edges, out)`` adds, for the edges of ``edges`` shorter than
     ``edges.cutoff``, the nodes' energies (eV, row 0), the forces (eV/Å,
@@ -452,9 +454,21 @@ class DirectForces(Protocol):
     of owned nodes, and with ``edges.halo`` one rank's edge per pair between
     two ranks.
 
-    ``ShardedCalculator`` uses it on CPU in float64, without ``torch.compile``
-    and with one layer; anywhere else, and for ``forward``, the model's
-    autograd path counts. The built-in potentials have it (``ase_shard.kernels``).
+    A model of two stages (``num_layers = 2`` and ``supports_layer_halo``,
+    e.g. D3: coordination numbers, then energies that need them at both
+    ends) is given every edge centred on an owned node, both directions
+    between two of them, and ``edges.halo`` (a :class:`GhostColumns`). It
+    sums its first stage's per-node values over its owned nodes, copies them
+    to the ghosts (``copy_owner_columns``), and adds the ghosts' derivatives
+    of the energy w.r.t. them into their owners (``sum_ghost_columns``)
+    before the forces of the first stage: the per-layer halo's exchange, on
+    the host.
+
+    ``ShardedCalculator`` uses it on CPU in float64, without ``torch.compile``,
+    for a one-layer model (given no per-layer exchange), or a two-stage model
+    with the per-layer halo when every rank evaluates on the host; anywhere else, and
+    for ``forward``, the model's autograd path counts. The built-in potentials
+    have it (``ase_shard.kernels``, ``ase_shard.d3_kernels``).
     """
 
     def energy_forces(self, edges: EdgeList, out: np.ndarray) -> float: ...
@@ -462,7 +476,9 @@ class DirectForces(Protocol):
 
 def direct_forces(model: ShardModel) -> DirectForces | None:
     """The model when it computes its own forces (:class:`DirectForces`), else ``None``."""
-    if int(model.num_layers) == 1 and callable(getattr(model, "energy_forces", None)):
+    layers = int(model.num_layers)
+    stages = layers == 1 or (layers == 2 and supports_layer_halo(model))
+    if stages and callable(getattr(model, "energy_forces", None)):
         return model
     return None
 

@@ -16,6 +16,12 @@ Cases (``--case``):
   PME on 512-atom NaCl, each with its speed-up and the machine's ceiling sampled in
   the same run (``ase_shard.bench.machine.Ceiling``); ``--mlip 7net-0`` adds that
   SevenNet model with and without D3 on 256 Cu.
+- ``d3-cost``: D3's compiled kernel beside EMT (docs/models.md, "D3"): EMT, D3 (BJ, ATM,
+  the tests' 9.7 / 7.9 / 5.3 Å) and EMT + D3 on ``4 * --cu-repeat**3`` fcc Cu (32,000
+  by default) timed as in ``cost``; then on rank 0, 108 Cu: D3 by its kernel, by its
+  torch model (autograd, which the full halo takes) and ``dftd3.ase.DFTD3``, at the
+  tests' cutoffs and at s-dftd3's defaults without the ATM term, with the edges per
+  atom within the largest cutoff. Not part of ``all`` (minutes, and 32,000 atoms).
 
 Rank 0 prints a Markdown table; ``--json`` writes the numbers.
 """
@@ -82,10 +88,15 @@ def nve(atoms: Atoms, model, temperature_k: float, steps: int) -> dict:
     }
 
 
-def step_time(atoms: Atoms, model, repeats: int, comm=None) -> float:
+def step_time(atoms: Atoms, model, repeats: int, comm=None, **options) -> float:
     """Median seconds of an energy + forces + stress evaluation (after a warm-up)."""
+    return evaluation_time(atoms, ShardedCalculator(model, comm=comm, **options), repeats)
+
+
+def evaluation_time(atoms: Atoms, calc, repeats: int) -> float:
+    """:func:`step_time` of any ASE calculator."""
     atoms = atoms.copy()
-    atoms.calc = ShardedCalculator(model, comm=comm)
+    atoms.calc = calc
     rng = np.random.default_rng(0)
     times = []
     for k in range(repeats + 1):
@@ -98,13 +109,17 @@ def step_time(atoms: Atoms, model, repeats: int, comm=None) -> float:
     return float(np.median(times))
 
 
+def serial_comm():
+    """The communicator of rank 0 alone under mpirun (``None`` in one process)."""
+    if COMM.size == 1:
+        return None
+    from mpi4py import MPI
+
+    return MPI.COMM_SELF
+
+
 def cost(repeats: int, mlip: str | None) -> list[dict]:
     """Each model's step time on rank 0 alone and on all ranks, with the ceiling."""
-    serial = None
-    if COMM.size > 1:
-        from mpi4py import MPI
-
-        serial = MPI.COMM_SELF
     cases: list[tuple[str, Atoms, Callable[[], object]]] = [
         ("EMT", copper(6), EMT),
         ("D3 (BJ, ATM)", copper(6), lambda: D3(**D3_CUTOFFS)),
@@ -119,6 +134,12 @@ def cost(repeats: int, mlip: str | None) -> list[dict]:
             (mlip, copper(4), lambda: SevenNet(mlip)),
             (f"{mlip} + D3", copper(4), lambda: SevenNet(mlip) + D3(**D3_CUTOFFS)),
         ]
+    return scaling(cases, repeats)
+
+
+def scaling(cases: list[tuple[str, Atoms, Callable[[], object]]], repeats: int) -> list[dict]:
+    """Each case's step time on rank 0 alone and on all ranks, with the ceiling."""
+    serial = serial_comm()
     ceiling = Ceiling(COMM, seconds=1.0)
     rows = []
     for name, atoms, make in cases:
@@ -128,7 +149,8 @@ def cost(repeats: int, mlip: str | None) -> list[dict]:
             return step_time(atoms, make(), repeats, serial)
 
         one = COMM.bcast(on_root(COMM, alone))
-        every = step_time(atoms, make(), repeats)
+        # in one process the one-rank time is the all-ranks time
+        every = one if COMM.size == 1 else step_time(atoms, make(), repeats)
         ceiling.sample()
         rows.append({"model": name, "atoms": len(atoms), "one_rank_s": one, "ranks_s": every})
     limit = ceiling.result()["speedup"]
@@ -138,9 +160,68 @@ def cost(repeats: int, mlip: str | None) -> list[dict]:
     return rows
 
 
+def d3_cost(repeats: int, cu_repeat: int) -> dict:
+    """D3's kernel beside EMT on large Cu, and against autograd and dftd3 on 108 Cu."""
+    cases: list[tuple[str, Atoms, Callable[[], object]]] = [
+        ("EMT", copper(cu_repeat), EMT),
+        ("D3 (BJ, ATM)", copper(cu_repeat), lambda: D3(**D3_CUTOFFS)),
+        ("EMT + D3", copper(cu_repeat), lambda: EMT() + D3(**D3_CUTOFFS)),
+    ]
+    return {"scaling": scaling(cases, repeats), "small": on_root(COMM, lambda: d3_small(repeats))}
+
+
+def d3_small(repeats: int) -> list[dict]:
+    """108 Cu: D3 by its kernel, by autograd (the full halo) and by ``dftd3``, one rank."""
+    from ase.neighborlist import neighbor_list
+    from dftd3.ase import DFTD3
+
+    atoms = copper(3)
+    names = {"cutoff": "disp2", "cn_cutoff": "cn", "atm_cutoff": "disp3"}
+    rows = []
+    for label, cutoffs, atm in (("tests'", D3_CUTOFFS, True), ("default", {}, False)):
+        model = D3(atm=atm, **cutoffs)
+        reference = DFTD3(
+            method="pbe",
+            damping="d3bj",
+            params_tweaks={"method": "pbe", "atm": atm},
+            realspace_cutoff={names[key]: value for key, value in cutoffs.items()},
+        )
+        edges = len(neighbor_list("i", atoms, model.cutoff))
+        rows.append(
+            {
+                "cutoffs": label,
+                "atm": atm,
+                "atoms": len(atoms),
+                "edges_per_atom": edges / len(atoms),
+                "kernel_s": step_time(atoms, model, repeats, serial_comm()),
+                "autograd_s": step_time(atoms, model, repeats, serial_comm(), halo="full"),
+                "dftd3_s": evaluation_time(atoms, reference, repeats),
+            }
+        )
+    return rows
+
+
+def print_scaling(rows: list[dict]) -> None:
+    """The Markdown table of :func:`scaling`'s rows."""
+    print(
+        f"\n| model | atoms | 1 rank (ms) | {COMM.size} ranks (ms) | speed-up | ceiling | "
+        "speed-up / ceiling |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        print(
+            f"| {row['model']} | {row['atoms']} | {row['one_rank_s'] * 1e3:.1f} | "
+            f"{row['ranks_s'] * 1e3:.1f} | {row['speedup']:.2f} | {row['ceiling']:.2f} | "
+            f"{row['speedup'] / row['ceiling']:.2f} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--case", choices=("nve-coulomb", "nve-d3", "cost", "all"), default="all")
+    parser.add_argument(
+        "--case", choices=("nve-coulomb", "nve-d3", "cost", "d3-cost", "all"), default="all"
+    )
+    parser.add_argument("--cu-repeat", type=int, default=20, help="d3-cost: fcc Cu cells")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--mlip", help="also time this model with and without D3 (e.g. 7net-0)")
@@ -164,6 +245,8 @@ def main() -> None:
         report["nve-d3"]["d3_cutoffs_A"] = args.d3_cutoffs
     if args.case in ("cost", "all"):
         report["cost"] = cost(args.repeats, args.mlip)
+    if args.case == "d3-cost":
+        report["d3-cost"] = d3_cost(args.repeats, args.cu_repeat)
     if not COMM.is_root:
         return
     for case in ("nve-coulomb", "nve-d3"):
@@ -177,16 +260,18 @@ def main() -> None:
                 f"ms/step, {run['rebuilds']} rebuilds"
             )
     if "cost" in report:
+        print_scaling(report["cost"])
+    if "d3-cost" in report:
+        print_scaling(report["d3-cost"]["scaling"])
         print(
-            f"\n| model | atoms | 1 rank (ms) | {COMM.size} ranks (ms) | speed-up | ceiling | "
-            "speed-up / ceiling |"
+            "\n| 108 Cu | ATM | edges per atom | kernel (ms) | autograd (ms) | dftd3 (ms) |"
+            "\n|---|---|---|---|---|---|"
         )
-        print("|---|---|---|---|---|---|---|")
-        for row in report["cost"]:
+        for row in report["d3-cost"]["small"]:
             print(
-                f"| {row['model']} | {row['atoms']} | {row['one_rank_s'] * 1e3:.1f} | "
-                f"{row['ranks_s'] * 1e3:.1f} | {row['speedup']:.2f} | {row['ceiling']:.2f} | "
-                f"{row['speedup'] / row['ceiling']:.2f} |"
+                f"| {row['cutoffs']} cutoffs | {'yes' if row['atm'] else 'no'} | "
+                f"{row['edges_per_atom']:,.0f} | {row['kernel_s'] * 1e3:.1f} | "
+                f"{row['autograd_s'] * 1e3:.1f} | {row['dftd3_s'] * 1e3:.1f} |"
             )
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

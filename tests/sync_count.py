@@ -361,13 +361,15 @@ def split_reuse_step(
 
 class Autograd(torch.nn.Module):
     """``model`` without ``energy_forces``: the block takes the autograd path, the one
-    devices take (on a CPU the built-in potentials' compiled kernels sync nothing)."""
+    devices take (on a CPU the built-in potentials' compiled kernels sync nothing); a
+    model that exchanges between its layers still does (``graph.exchange``)."""
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
         self.cutoff, self.num_layers = model.cutoff, model.num_layers
         self.atomic_types = model.atomic_types
+        self.supports_layer_halo = getattr(model, "supports_layer_halo", False)
 
     def forward(self, graph):
         return self.model(graph)

@@ -7,7 +7,9 @@ mixed elements and a molecule without a cell, at short cutoffs (9.7 Å pairs, 7.
 coordination numbers, 5.3 Å triangles: s-dftd3's 31.75 / 21.17 / 21.17 Å make millions of
 triangles here); s-dftd3's default cutoffs on the molecule and, without the three-body
 term, on graphite. Energy, forces and stress must agree to 1e-8 relative (measured: about
-1e-14).
+1e-14). The calculator evaluates D3 by its compiled kernel (``ase_shard.d3_kernels``) on a
+CPU in float64; the torch model (autograd, the path devices take) is held to dftd3 too,
+wrapped so that it has no kernel, and the two give the same per-atom energies and virials.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ from ase import Atoms  # noqa: E402
 from ase.build import add_adsorbate, fcc111, molecule  # noqa: E402
 from ase.units import Bohr  # noqa: E402
 from oracles import ase_results, relative_errors  # noqa: E402
+from sync_count import Autograd  # noqa: E402
 
 from ase_shard import ShardedCalculator  # noqa: E402
+from ase_shard.block import RESULT_COLUMNS  # noqa: E402
+from ase_shard.graph import EdgeList, direct_forces  # noqa: E402
 from ase_shard.models import D3  # noqa: E402
 
 # measured <= 5e-14; the acceptance is 1e-8, and tighter than 1e-9 catches radii in
@@ -39,6 +44,22 @@ CUTOFFS = dict(cutoff=9.7, cn_cutoff=7.9, atm_cutoff=5.3)
 
 # (damping, three-body term)
 VARIANTS = [("bj", False), ("bj", True), ("zero", False), ("zero", True)]
+# the compiled kernel, and the torch model by autograd
+PATHS = ["kernel", "autograd"]
+
+
+def d3_model(path: str, *args, **kwargs):
+    """``D3(*args, **kwargs)``, or on the ``"autograd"`` path without its kernel."""
+    model = D3(*args, **kwargs)
+    return model if path == "kernel" else Autograd(model)
+
+
+def d3_results(path: str, atoms: Atoms, *args, stresses: bool = False, **kwargs) -> dict:
+    """:func:`ase_results` of ``ShardedCalculator(d3_model(path, ...))``, on that path."""
+    calc = ShardedCalculator(d3_model(path, *args, **kwargs))
+    got = ase_results(calc, atoms, stresses)
+    assert (calc._block._direct is not None) == (path == "kernel")
+    return got
 
 
 def dftd3_calculator(method: str, damping: str, atm: bool, **cutoffs: float):
@@ -146,6 +167,7 @@ def test_declarations() -> None:
     )
     assert model.cutoff == 60.0 * Bohr
     assert model.num_layers == 2 and model.supports_layer_halo
+    assert direct_forces(model) is model and direct_forces(Autograd(model)) is None
     assert D3(atm=False, cutoff=5.0, cn_cutoff=7.0, atm_cutoff=9.0).cutoff == 7.0
     assert D3(atm=True, cutoff=5.0, cn_cutoff=7.0, atm_cutoff=9.0).cutoff == 9.0
     assert model.damping_parameters == pytest.approx(
@@ -158,12 +180,13 @@ def test_declarations() -> None:
         D3(method="not-a-functional")
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("damping, atm", VARIANTS)
 @pytest.mark.parametrize("system", ["crystal", "graphite", "slab", "triclinic", "molecule"])
-def test_matches_dftd3(system: str, damping: str, atm: bool) -> None:
+def test_matches_dftd3(system: str, damping: str, atm: bool, path: str) -> None:
     atoms = d3_systems()[system]
     ref = dftd3_results(atoms, "pbe", damping, atm, **CUTOFFS)
-    got = ase_results(ShardedCalculator(D3("pbe", damping, atm, **CUTOFFS)), atoms)
+    got = d3_results(path, atoms, "pbe", damping, atm, **CUTOFFS)
     assert_matches_dftd3(got, ref)
     # nothing is zero by accident
     assert np.abs(ref["forces"]).max() > 1e-4
@@ -179,25 +202,71 @@ def test_three_body_term_counts(damping: str) -> None:
     assert max(relative_errors(three, two).values()) > 1e3 * RTOL
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("damping", ["bj", "zero"])
-def test_another_functional(damping: str) -> None:
+def test_another_functional(damping: str, path: str) -> None:
     """B3LYP's parameters, looked up by name as ``dftd3`` does."""
     atoms = d3_systems()["crystal"]
     ref = dftd3_results(atoms, "b3lyp", damping, True, **CUTOFFS)
-    got = ase_results(ShardedCalculator(D3("b3lyp", damping, True, **CUTOFFS)), atoms)
+    got = d3_results(path, atoms, "b3lyp", damping, True, **CUTOFFS)
     assert_matches_dftd3(got, ref)
+
+
+@pytest.mark.parametrize("damping, atm", VARIANTS)
+@pytest.mark.parametrize("system", ["crystal", "graphite", "slab", "triclinic", "molecule"])
+def test_kernel_equals_autograd(system: str, damping: str, atm: bool) -> None:
+    """Per-atom energies and virials (dftd3 has neither) of the kernel and of autograd:
+    each edge's dE/dd split between its ends alike."""
+    atoms = d3_systems()[system]
+    args = ("pbe", damping, atm)
+    stresses = atoms.cell.rank == 3
+    got = d3_results("kernel", atoms, *args, stresses=stresses, **CUTOFFS)
+    ref = d3_results("autograd", atoms, *args, stresses=stresses, **CUTOFFS)
+    errors = relative_errors(got, ref)
+    assert max(errors.values()) <= RTOL, errors
+    assert system == "molecule" or np.abs(ref["stresses"]).max() > 1e-5
+
+
+def _edges(n_nodes: int, n_owned: int, centre=(), neighbour=(), cutoff: float = 5.0) -> EdgeList:
+    rng = np.random.default_rng(0)
+    return EdgeList(
+        positions=rng.uniform(0.0, 3.0, (n_nodes, 3)),
+        numbers=np.full(n_nodes, 29, dtype=np.int64),
+        centre=np.asarray(centre, dtype=np.int64),
+        neighbour=np.asarray(neighbour, dtype=np.int64),
+        image=np.zeros(len(centre), dtype=np.int16),
+        offsets=np.zeros((1, 3)),
+        n_owned=n_owned,
+        cutoff=cutoff,
+    )
+
+
+def test_kernel_without_pairs() -> None:
+    """No nodes; lone nodes; edges beyond the cutoff: nothing, and the shortest edge.
+    Ghost nodes without the halo that brings their coordination numbers: refused."""
+    model = D3(**CUTOFFS)
+    assert model.energy_forces(_edges(0, 0), np.zeros((RESULT_COLUMNS, 0))) == np.inf
+    out = np.zeros((RESULT_COLUMNS, 2))
+    assert model.energy_forces(_edges(2, 2), out) == np.inf
+    far = _edges(2, 2, centre=[0, 1], neighbour=[1, 0], cutoff=1e-3)
+    closest = model.energy_forces(far, out)
+    assert closest == pytest.approx(np.sum((far.positions[1] - far.positions[0]) ** 2))
+    assert not out.any()
+    with pytest.raises(ValueError, match="halo"):
+        model.energy_forces(_edges(3, 2), np.zeros((RESULT_COLUMNS, 3)))
 
 
 @pytest.mark.parametrize(
     "system, damping, atm",
     [("molecule", "bj", True), ("molecule", "zero", True), ("graphite", "bj", False)],
 )
-def test_default_cutoffs(system: str, damping: str, atm: bool) -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_default_cutoffs(system: str, damping: str, atm: bool, path: str) -> None:
     """s-dftd3's own cutoffs (31.75 Å pairs, 21.17 Å coordination numbers and triangles),
     unset on both sides; graphite's 4 atoms then have about 60,000 edges."""
     atoms = d3_systems()[system]
     ref = dftd3_results(atoms, "pbe", damping, atm)
-    got = ase_results(ShardedCalculator(D3("pbe", damping, atm)), atoms)
+    got = d3_results(path, atoms, "pbe", damping, atm)
     assert_matches_dftd3(got, ref)
 
 

@@ -30,10 +30,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from ase.units import CODATA, Bohr, Hartree
 
-from ase_shard.graph import LocalGraph
+from ase_shard import d3_kernels
+from ase_shard.graph import EdgeList, LocalGraph
 from ase_shard.models.sum import Addable
 from ase_shard.models.triplets import angle_pairs
 
@@ -42,9 +44,6 @@ DEFAULT_CUTOFF = 60.0 * Bohr
 DEFAULT_ATM_CUTOFF = 40.0 * Bohr
 DEFAULT_CN_CUTOFF = 40.0 * Bohr
 
-_COUNTING_STEEPNESS = 16.0  # s-dftd3's kcn
-_WEIGHTING_FACTOR = 4.0  # s-dftd3's wf, the Gaussian's width in CN
-_ATM_RADIUS_SCALE = 4.0 / 3.0  # s-dftd3's rs9
 # mctc-lib's bohr in Å (mctc_io_convert), which s-dftd3's radii are in: hbar / (me c alpha)
 # from CODATA 2018, computed as there (ASE's 2018 units derive alpha from mu0, 3e-12 off)
 _CODATA_2018 = CODATA["2018"]
@@ -71,7 +70,10 @@ class D3(Addable, torch.nn.Module):
     two layers and exchanges the coordination numbers itself (``supports_layer_halo``):
     with the per-layer halo, each rank counts its owned atoms' and takes its ghosts'
     from their owners (``graph.exchange``, whose gradient brings dE/dCN back to them);
-    with the full halo, the ghosts' are counted from their own edges.
+    with the full halo, the ghosts' are counted from their own edges. On a CPU in
+    float64 with the per-layer halo the calculator evaluates it by a compiled kernel
+    instead (:meth:`energy_forces`, :mod:`ase_shard.d3_kernels`: the same formulas with
+    their derivatives written out, the exchanges on the host); elsewhere by autograd.
 
     Parameters
     ----------
@@ -189,13 +191,42 @@ class D3(Addable, torch.nn.Module):
             energies = energies + self._atm(graph, distance, owned_edges, c6)
         return energies * Hartree
 
+    def energy_forces(self, edges: EdgeList, out: np.ndarray) -> float:
+        """Energies (eV), forces (eV/Å) and virials (eV) by a compiled kernel.
+
+        See :class:`ase_shard.graph.DirectForces`: every edge centred on an owned
+        node, the ghosts' coordination numbers and dE/dCN through ``edges.halo``
+        (:mod:`ase_shard.d3_kernels`); returns the shortest listed edge's squared
+        length (Å²).
+        """
+        p = self.damping_parameters
+        # a damping's parameters; those of the other one are 0
+        names = ("s6", "s8", "s9", "a1", "a2", "rs6", "rs8", "alp")
+
+        def host(name: str) -> np.ndarray:
+            return getattr(self, name).detach().cpu().numpy()
+
+        params = d3_kernels.D3Parameters(
+            reference_cn=host("reference_cn"),
+            reference_c6=host("reference_c6"),
+            r4r2=host("r4r2"),
+            covalent_radius=host("covalent_radius"),
+            vdw_radius=host("vdw_radius"),
+            damping=d3_kernels.BJ if self.damping == "bj" else d3_kernels.ZERO,
+            **{name: p.get(name, 0.0) for name in names},
+            pair_cutoff=self.pair_cutoff,
+            cn_cutoff=self.cn_cutoff,
+            atm_cutoff=self.atm_cutoff,
+        )
+        return d3_kernels.d3_forces(params, edges, out)
+
     def _coordination_numbers(self, graph: LocalGraph, distance: torch.Tensor) -> torch.Tensor:
         """``(n,)`` D3 coordination numbers of every node that centres edges."""
         centre, neighbour = graph.edge_index
         counted = torch.nonzero(distance <= self.cn_cutoff / Bohr).squeeze(-1)
         i, j = centre[counted], neighbour[counted]
         rc = self.covalent_radius[graph.numbers[i]] + self.covalent_radius[graph.numbers[j]]
-        count = torch.sigmoid(_COUNTING_STEEPNESS * (rc / distance[counted] - 1.0))
+        count = torch.sigmoid(d3_kernels.COUNTING_STEEPNESS * (rc / distance[counted] - 1.0))
         return distance.new_zeros(graph.n_atoms).index_add(0, i, count)
 
     def _reference_weights(self, numbers: torch.Tensor, cn: torch.Tensor) -> torch.Tensor:
@@ -207,7 +238,7 @@ class D3(Addable, torch.nn.Module):
         gives the same without underflow, and a finite gradient.
         """
         reference_cn = self.reference_cn[numbers]
-        exponent = -_WEIGHTING_FACTOR * (reference_cn - cn.unsqueeze(-1)) ** 2
+        exponent = -d3_kernels.WEIGHTING_FACTOR * (reference_cn - cn.unsqueeze(-1)) ** 2
         exponent = torch.where(reference_cn >= 0.0, exponent, -torch.inf)
         shift = exponent.max(dim=-1, keepdim=True).values.detach()
         gaussian = torch.exp(exponent - shift)
@@ -261,7 +292,7 @@ class D3(Addable, torch.nn.Module):
 
         c9 = torch.sqrt(torch.abs(c6(i, j) * c6(i, k) * c6(j, k)))
         zi, zj, zk = numbers[i], numbers[j], numbers[k]
-        radius = _ATM_RADIUS_SCALE**3 * (
+        radius = d3_kernels.ATM_RADIUS_SCALE**3 * (
             self.vdw_radius[zi, zj] * self.vdw_radius[zi, zk] * self.vdw_radius[zj, zk]
         )
         r2 = r2_ij * r2_ik * r2_jk
