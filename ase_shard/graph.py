@@ -51,7 +51,6 @@ class Hops:
     place: torch.Tensor
 
 
-
 class MeshTransform(Protocol):
     """The 3-D FFT of a mesh summed over every rank (``LocalGraph.system_fft``).
 
@@ -60,15 +59,18 @@ class MeshTransform(Protocol):
     (:class:`ase_shard.system_fft.SystemFFT`).
     """
 
-    def forward(self, partial: torch.Tensor, touched: torch.Tensor) -> tuple[torch.Tensor, slice]:
-        """``(spectrum, rows)``: ``torch.fft.rfftn`` of the ranks' ``(nx, ny, nz)``
-        meshes summed, at this rank's wave numbers ``rows`` of the second axis,
-        that axis first: ``(len(rows), nx, nz // 2 + 1)``. ``partial`` is zero
-        outside the planes ``touched`` (``(nx,)`` bool) of the first axis."""
+    def forward(
+        self, partial: torch.Tensor, touched: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, slice, tuple[int, int, int]]:
+        """``(spectrum, rows, order)``: ``torch.fft.rfftn`` of the ranks' meshes
+        summed, its axes in ``order`` (a cyclic shift), at this rank's wave numbers
+        ``rows`` of the (permuted) second axis, that axis first. ``partial`` is zero
+        outside the planes ``touched`` (three bool tensors, one per axis)."""
 
     def inverse(self, spectrum: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         """The real mesh from every rank's slab (``irfftn``, ``norm="forward"``) on
         the planes this rank touched at :meth:`forward` (zero elsewhere)."""
+
 
 @dataclass
 class LocalGraph:
@@ -146,8 +148,9 @@ class LocalGraph:
     system_fft : MeshTransform or None
         The 3-D FFT of a mesh summed over all ranks, split among them in
         slabs (:class:`ase_shard.system_fft.SystemFFT`: ``forward(partial,
-        touched)`` gives this rank's slab of the spectrum and its wave numbers,
-        ``inverse(spectrum, shape)`` the real mesh on the planes it touched), for
+        touched)`` gives this rank's slab of the spectrum, its wave numbers and
+        the axes' order, ``inverse(spectrum, shape)`` the real mesh on the
+        planes it touched), for
         a mesh-based reciprocal-space sum (PME). Collective, like
         ``system_sum``, and a constant for autograd. ``None`` where the graph
         holds the whole system: the transform is ``torch.fft.rfftn`` of the

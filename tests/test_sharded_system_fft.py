@@ -23,49 +23,74 @@ SHAPES = [(16, 8, 12), (7, 5, 9), (2, 3, 4)]
 
 
 def _meshes(
-    shape: tuple[int, int, int], some: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This rank's random mesh, its touched planes and the sum of every rank's mesh."""
+    shape: tuple[int, int, int], some: str
+) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """This rank's random mesh, its touched planes per axis and the sum of every rank's.
+
+    ``some``: every plane touched (``"all"``), a random few along each axis
+    (``"random"``), or each rank one block of the third axis's planes (``"domains"``,
+    as a partition cut along that axis leaves them: the slabs are then cut there).
+    """
     rng = np.random.default_rng(1234)
     every = rng.normal(size=(COMM.size, *shape))
-    touched = rng.random((COMM.size, shape[0])) < (0.4 if some else 2.0)
-    every *= touched[:, :, None, None]
+    touched = [rng.random((COMM.size, n)) < (0.6 if some == "random" else 2.0) for n in shape]
+    if some == "domains":
+        block = np.arange(shape[2]) * COMM.size // shape[2]
+        touched[2] = block[None, :] == np.arange(COMM.size)[:, None]
+    every *= touched[0][:, :, None, None] * touched[1][:, None, :, None]
+    every *= touched[2][:, None, None, :]
     mine = torch.from_numpy(every[COMM.rank].copy())
-    return mine, torch.from_numpy(touched[COMM.rank].copy()), torch.from_numpy(every.sum(0))
+    masks = [torch.from_numpy(mask[COMM.rank].copy()) for mask in touched]
+    return mine, masks, torch.from_numpy(every.sum(0))
 
 
-@pytest.mark.parametrize("some", [False, True], ids=["all planes", "some planes"])
+def _kernel(shape: tuple[int, ...]) -> torch.Tensor:
+    """A function of |k|^2 on the (n1, n0, n2 // 2 + 1) spectrum of an (n0, n1, n2) mesh,
+    as a reciprocal-space kernel is: the filtered spectrum then keeps the symmetry of a
+    real mesh's, which irfftn assumes."""
+    squares = [torch.fft.fftfreq(n, dtype=torch.float64) ** 2 for n in shape[:2]]
+    squares.append(torch.fft.rfftfreq(shape[2], dtype=torch.float64) ** 2)
+    return torch.exp(-(squares[1][:, None, None] + squares[0][:, None] + squares[2]))
+
+
+TOUCHED = ["all", "random", "domains"]
+
+
+@pytest.mark.parametrize("some", TOUCHED)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_forward_is_the_summed_meshes_transform(shape: tuple[int, int, int], some: bool) -> None:
+def test_forward_is_the_summed_meshes_transform(shape: tuple[int, int, int], some: str) -> None:
     mine, touched, summed = _meshes(shape, some)
-    spectrum, rows = SystemFFT(COMM).forward(mine, touched)
-    whole = torch.fft.rfftn(summed).transpose(0, 1)
+    spectrum, rows, order = SystemFFT(COMM).forward(mine, touched)
+    if some == "domains" and COMM.size > 1:
+        assert order == (2, 0, 1)  # the slabs follow the ranks' domains
+    whole = torch.fft.rfftn(summed.permute(order)).transpose(0, 1)
     assert spectrum.shape == whole[rows].shape
     np.testing.assert_allclose(spectrum.numpy(), whole[rows].numpy(), rtol=0, atol=1e-12)
     # the ranks' slabs tile the wave numbers of the second axis, in rank order
     starts = COMM.allgather((rows.start, rows.stop))
     assert [start for start, _ in starts] == [0] + [stop for _, stop in starts[:-1]]
-    assert starts[-1][1] == shape[1]
+    assert starts[-1][1] == shape[order[1]]
 
 
-@pytest.mark.parametrize("some", [False, True], ids=["all planes", "some planes"])
+@pytest.mark.parametrize("some", TOUCHED)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_inverse_gives_each_rank_its_planes(shape: tuple[int, int, int], some: bool) -> None:
+def test_inverse_gives_each_rank_its_planes(shape: tuple[int, int, int], some: str) -> None:
     mine, touched, summed = _meshes(shape, some)
     fft = SystemFFT(COMM)
-    spectrum, rows = fft.forward(mine, touched)
-    # a function of |k|^2, as a reciprocal-space kernel is: then the filtered spectrum
-    # keeps the symmetry of a real mesh's, which irfftn assumes
-    squares = [torch.fft.fftfreq(n, dtype=torch.float64) ** 2 for n in shape[:2]]
-    squares.append(torch.fft.rfftfreq(shape[2], dtype=torch.float64) ** 2)
-    kernel = torch.exp(-(squares[1][:, None, None] + squares[0][:, None] + squares[2]))
+    spectrum, rows, order = fft.forward(mine, touched)
+    permuted = tuple(shape[axis] for axis in order)
+    kernel = _kernel(permuted)
     mesh = fft.inverse(spectrum * kernel[rows], summed.shape)
-    whole = torch.fft.rfftn(summed).transpose(0, 1) * kernel
-    expected = torch.fft.irfftn(whole.transpose(0, 1), s=shape, norm="forward")
-    expected[~touched] = 0.0
+    whole = torch.fft.rfftn(summed.permute(order)).transpose(0, 1) * kernel
+    expected = torch.fft.irfftn(whole.transpose(0, 1), s=permuted, norm="forward")
+    expected = expected.permute(np.argsort(order).tolist()).clone()
+    # the rank's planes along the slabs' axis (the others are zero)
+    outside = ~touched[order[0]]
+    expected.index_fill_(order[0], torch.nonzero(outside).squeeze(1), 0.0)
+    assert mesh.shape == summed.shape
     np.testing.assert_allclose(mesh.numpy(), expected.numpy(), rtol=0, atol=1e-10)
     # a plane that several ranks touch holds the same bits on each (its owner's)
-    every = COMM.allgather((mesh.numpy(), touched.numpy()))
-    for plane in range(shape[0]):
+    every = COMM.allgather((mesh.movedim(order[0], 0).numpy(), touched[order[0]].numpy()))
+    for plane in range(shape[order[0]]):
         held = [values[plane] for values, mask in every if mask[plane]]
         assert all(np.array_equal(values, held[0]) for values in held)

@@ -235,13 +235,19 @@ class Coulomb(Addable, torch.nn.Module):
         # holds a slab of the ky (graph.system_fft)
         fft = graph.system_fft
         if fft is None:
+            order = (0, 1, 2)
             density_k, rows = torch.fft.rfftn(spread).transpose(0, 1), slice(None)
         else:
-            # the planes of the first axis that the owned atoms' stencils reach
-            touched = torch.zeros(spread.shape[0], dtype=torch.bool, device=spread.device)
-            touched[mesh.x_indices.reshape(-1)] = True
-            density_k, rows = fft.forward(spread, touched)
-        lattice = self._lattice(cell.detach(), ns, rows)
+            # the planes along each axis that the owned atoms' stencils reach
+            touched = []
+            stencils = (mesh.x_indices, mesh.y_indices, mesh.z_indices)
+            for count, reached in zip(spread.shape, stencils, strict=True):
+                planes = torch.zeros(count, dtype=torch.bool, device=spread.device)
+                planes[reached.reshape(-1)] = True
+                touched.append(planes)
+            density_k, rows, order = fft.forward(spread, touched)
+        # the spectrum is of the mesh with its axes in `order`: so are the k-vectors
+        lattice = self._lattice(cell.detach()[list(order)], ns[list(order)], rows)
         ivolume = cell.detach().det().abs().reciprocal()
 
         # the slab's part of W without the background (the kernel energy and the
@@ -280,7 +286,10 @@ class Coulomb(Addable, torch.nn.Module):
         return share - 0.5 * share.detach() - self_energy
 
     def _lattice(self, cell: torch.Tensor, ns: torch.Tensor, rows: slice) -> _MeshLattice:
-        """The PME kernel at this rank's wave numbers (kept while the cell is the same)."""
+        """The PME kernel at this rank's wave numbers (kept while the cell is the same).
+
+        ``cell`` and ``ns`` have their vectors in the order of the spectrum's mesh axes.
+        """
         key = (tuple(ns.tolist()), rows.start, rows.stop)
         kept = self._kept_lattice
         if kept is not None and kept.key == key and torch.equal(kept.cell, cell):
