@@ -61,9 +61,7 @@ def test_compiled_equals_eager_through_migration() -> None:
     eager, compiled = atoms.copy(), atoms.copy()
     # random moves bring atoms closer than any real structure: no min_distance
     eager.calc = ShardedCalculator(model, skin=0.2, min_distance=0)
-    compiled.calc = calc = ShardedCalculator(
-        model, skin=0.2, compile="aot_eager", min_distance=0
-    )
+    compiled.calc = calc = ShardedCalculator(model, skin=0.2, compile="aot_eager", min_distance=0)
     rng = np.random.default_rng(3)
     for _ in range(5):
         moves = rng.uniform(-0.6, 0.6, atoms.positions.shape)
@@ -146,3 +144,31 @@ def test_a_sum_compiles_each_term_on_its_own_graphs() -> None:
     # the message passing's padded graph only (Coulomb runs eagerly)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
     assert 1 <= graphs <= 2
+
+
+def test_a_sum_runs_d3_eagerly_by_its_kernel() -> None:
+    """EMT compiled beside D3, which does not run compiled (its lists are cut by data):
+    D3 takes its compiled CPU kernel, and the sum equals ASE's EMT plus dftd3's D3."""
+    pytest.importorskip("dftd3")
+    from ase.calculators.emt import EMT as AseEMT
+    from oracles import ase_results
+    from sharded import cu_bulk
+    from test_d3 import CUTOFFS, dftd3_results
+
+    from ase_shard.models import D3, EMT
+
+    torch._dynamo.reset()
+    atoms = cu_bulk()
+    d3 = D3(**CUTOFFS)
+
+    def reference() -> dict:
+        emt = ase_results(AseEMT(), atoms)
+        dispersion = dftd3_results(atoms, "pbe", "bj", True, **CUTOFFS)
+        return {key: emt[key] + dispersion[key] for key in dispersion}
+
+    ref = on_root(reference)
+    calc = ShardedCalculator(EMT() + d3, compile="aot_eager")
+    got = ase_results(calc, atoms)
+    assert_close_to({key: got[key] for key in ref}, ref, RTOL)
+    assert calc.compile_fallbacks == 0
+    assert [block._direct is not None for block in calc._term_blocks()] == [False, True]

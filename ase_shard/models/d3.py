@@ -103,6 +103,9 @@ class D3(Addable, torch.nn.Module):
 
     num_layers = 2
     supports_layer_halo = True
+    # its pair and triangle lists are cut by data (torch.nonzero): compiled, they would
+    # recompile at every step; in a compiled Sum it runs eagerly (by its kernel on CPUs)
+    supports_compile = False
 
     def __init__(
         self,
