@@ -653,6 +653,7 @@ class LocalBlock:
                 float(self.model.cutoff),
                 self._halo,
                 per_node_virials,
+                self.ids,
             )
             closest = self._direct.energy_forces(edges, columns)
         with self.timer.phase("reverse"):

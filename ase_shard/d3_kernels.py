@@ -16,17 +16,21 @@ kernel runs in passes with two halo exchanges between them:
    two of its edges within the ATM cutoff whose third side is too, from the
    edges grouped by centre (built per call, one counting sort); energy, forces
    and virials on the corner's two edges (as autograd puts them), ``dE/dCN``
-   of the three corners. A triangle of three owned nodes is taken once, for
-   its three corners;
+   of the three corners. A triangle of three different atoms is taken once,
+   for its three corners;
 5. the ghosts' ``dE/dCN`` summed into their owners (``sum_ghost_columns``),
    then the forces and virials of ``dE/dCN dCN/dd`` over the CN edges.
 
 The edges are every edge centred on an owned node: a pair of owned nodes is
 taken once, from its edge with ``i < j`` (:func:`ase_shard.kernels._ends`
-without a split), for its pair energy and both ends' coordination numbers; a
-triangle of three different owned nodes at its lowest node. A triangle with
-a corner on another rank is taken by each rank at its own corners, for those
-corners only: no triangle terms cross ranks. Each edge's ``dE/dd`` is split
+without a split), for its pair energy and both ends' coordination numbers. A
+triangle of three different atoms is taken once in the whole system, at its
+corner with the lowest atom index (``EdgeList.ids``), by the rank that owns
+that corner; what it gives a corner on another rank (energy, forces, virial,
+``dE/dCN``) goes to that corner's ghost columns, which the block and pass 5
+sum into the owner, so that two ranks share the triangles as they share the
+atoms. A triangle with two images of one atom is taken at each corner, for
+that corner. Each edge's ``dE/dd`` is split
 between its ends' virials as the autograd path splits it
 (:func:`ase_shard.block.sum_edge_gradients`), so per-atom virials agree too.
 Lengths are in bohr and energies in Hartree inside, eV and Å out.
@@ -116,6 +120,7 @@ def d3_forces(params: D3Parameters, edges: EdgeList, out: np.ndarray) -> float:
     """
     numbers = np.ascontiguousarray(edges.numbers, dtype=np.int64)
     n_nodes, n_owned, halo = len(numbers), edges.n_owned, edges.halo
+    ids = np.arange(n_nodes) if edges.ids is None else np.asarray(edges.ids, dtype=np.int64)
     if halo is None and n_nodes > n_owned:
         raise ValueError("D3's kernel needs the halo (EdgeList.halo) for its ghost nodes")
     arrays = _arrays(edges)
@@ -151,8 +156,8 @@ def d3_forces(params: D3Parameters, edges: EdgeList, out: np.ndarray) -> float:
     if params.s9 != 0.0:
         start, listed = _centre_groups(cutoffs[2], edges.cutoff**2, *arrays, n_owned)
         _triangles(
-            params.vdw_radius, damping, cutoffs[2], numbers, kind, weights, dweights, c6, dc6,
-            *arrays, start, listed, rows, dcn[0],
+            params.vdw_radius, damping, cutoffs[2], numbers, ids, kind, weights, dweights, c6,
+            dc6, *arrays, start, listed, rows, dcn[0],
         )  # fmt: skip
     if halo is not None:
         halo.sum_ghost_columns(dcn)
@@ -398,8 +403,8 @@ def _centre_groups(  # pragma: no cover - compiled
 
 @numba.njit(cache=True, error_model="numpy")
 def _triangles(  # pragma: no cover - compiled
-    vdw_radius, p, atm_cutoff, numbers, kind, weights, dweights, c6, dc6, positions, centre,
-    neighbour, image, offsets, start, listed, rows, dcn,
+    vdw_radius, p, atm_cutoff, numbers, ids, kind, weights, dweights, c6, dc6, positions,
+    centre, neighbour, image, offsets, start, listed, rows, dcn,
 ):  # fmt: skip
     """Pass 4: ATM energies, forces and virials, and dE/dCN of the three corners.
 
@@ -407,10 +412,11 @@ def _triangles(  # pragma: no cover - compiled
     third side ``j-k`` is within the cutoff give ``i`` a third of the
     triangle's energy, and its derivatives to those two edges (the torch
     model's ordered pairs, a sixth each, add up to the same). A triangle of
-    three different owned nodes is taken once instead, at its lowest node,
-    for every corner: each corner's third and its derivatives on that corner's
-    two edges, as the corner would take them (its edges to ``i`` are ``i``'s
-    reversed; the edge ``j-k`` is added directly). A centre's edges (vectors,
+    three different nodes (atoms) is taken once instead, at its atom of
+    lowest ``ids``, for every corner: each corner's third and its derivatives
+    on that corner's two edges, as the corner would take them (its edges to
+    ``i`` are ``i``'s reversed; the edge ``j-k`` is added directly), a ghost
+    corner's in its ghost columns. A centre's edges (vectors,
     C6) are gathered once, and each edge's dE/dd and its far end's energy and
     dE/dCN summed over the centre's triangles before they reach the rows.
     """
@@ -453,9 +459,9 @@ def _triangles(  # pragma: no cover - compiled
             c6_ij = pair_c6[a, 0]
             for b in range(a + 1, m):
                 k, zk = far[b], numbers[far[b]]
-                whole = j < n_centres and k < n_centres and j != k and j != i and k != i
-                if whole and (j < i or k < i):
-                    continue  # the lowest of three owned nodes takes the whole triangle
+                whole = j != k and j != i and k != i
+                if whole and (ids[j] < ids[i] or ids[k] < ids[i]):
+                    continue  # the corner of lowest atom index takes the whole triangle
                 xjk, yjk, zjk = vector[b, 0] - xij, vector[b, 1] - yij, vector[b, 2] - zij
                 r2_jk = xjk * xjk + yjk * yjk + zjk * zjk
                 if r2_jk > inside:

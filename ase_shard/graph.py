@@ -407,6 +407,10 @@ class EdgeList:
         ``False`` when only the total virial is wanted (no per-atom stresses
         asked for): a model may then put it in any node's virial columns, as
         long as the columns add up to it.
+    ids : (n,) int64 array, optional
+        Each node's atom: its index in the whole system, the same on every
+        rank (a term of several atoms can be taken by one rank, at its
+        lowest atom). ``None``: the node indices are the atoms'.
     """
 
     positions: np.ndarray
@@ -419,6 +423,7 @@ class EdgeList:
     cutoff: float
     halo: GhostColumns | None = None
     per_node_virials: bool = True
+    ids: np.ndarray | None = None
 
 
 class GhostColumns(Protocol):
