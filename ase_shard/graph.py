@@ -51,25 +51,46 @@ class Hops:
     place: torch.Tensor
 
 
+@dataclass(frozen=True)
+class MeshSlabs:
+    """How the ranks split one mesh's transform (:meth:`SystemFFT.plan`).
+
+    ``order`` is the mesh's axes in the order transformed (a cyclic shift, the
+    slabs' axis first); ``shape`` the mesh's shape in that order, ``(n0, n1,
+    n2)``. ``planes`` (ascending indices along ``n0``) are the planes this rank
+    touches: its part of the mesh is ``(len(planes), n1, n2)``, in and out.
+    ``rows`` are this rank's wave numbers along ``n1``: its slab of the
+    spectrum is ``(len(rows), n2 // 2 + 1, n0)``. ``touched`` is ``(ranks,
+    n0)``: every rank's planes.
+    """
+
+    order: tuple[int, int, int]
+    shape: tuple[int, int, int]
+    planes: np.ndarray
+    rows: slice
+    touched: np.ndarray
+
+
 class MeshTransform(Protocol):
     """The 3-D FFT of a mesh summed over every rank (``LocalGraph.system_fft``).
 
     Unnormalised both ways, a constant for autograd; collective: every rank
-    calls :meth:`forward` and then :meth:`inverse` with meshes of one shape
-    (:class:`ase_shard.system_fft.SystemFFT`).
+    calls :meth:`plan`, :meth:`forward` and then :meth:`inverse` for meshes of
+    one shape (:class:`ase_shard.system_fft.SystemFFT`).
     """
 
-    def forward(
-        self, partial: torch.Tensor, touched: Sequence[torch.Tensor]
-    ) -> tuple[torch.Tensor, slice, tuple[int, int, int]]:
-        """``(spectrum, rows, order)``: ``torch.fft.rfftn`` of the ranks' meshes
-        summed, its axes in ``order`` (a cyclic shift), at this rank's wave numbers
-        ``rows`` of the (permuted) second axis, that axis first. ``partial`` is zero
-        outside the planes ``touched`` (three bool tensors, one per axis)."""
+    def plan(self, shape: Sequence[int], touched: Sequence[torch.Tensor]) -> MeshSlabs:
+        """The split, from the planes along each axis (three bool tensors) where
+        this rank's mesh may be nonzero."""
 
-    def inverse(self, spectrum: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        """The real mesh from every rank's slab (``irfftn``, ``norm="forward"``) on
-        the planes this rank touched at :meth:`forward` (zero elsewhere)."""
+    def forward(self, slabs: MeshSlabs, partial: torch.Tensor) -> torch.Tensor:
+        """``torch.fft.rfftn`` of the ranks' meshes summed, axes in ``slabs.order``,
+        this rank's slab, ``(k1 in slabs.rows, k2, k0)``; ``partial`` is this rank's
+        mesh on ``slabs.planes``."""
+
+    def inverse(self, slabs: MeshSlabs, spectrum: torch.Tensor) -> torch.Tensor:
+        """The real mesh (``irfftn``, ``norm="forward"``) on this rank's planes from
+        every rank's slab of its spectrum."""
 
 
 @dataclass
@@ -147,11 +168,10 @@ class LocalGraph:
         ``None`` in graphs built by hand.
     system_fft : MeshTransform or None
         The 3-D FFT of a mesh summed over all ranks, split among them in
-        slabs (:class:`ase_shard.system_fft.SystemFFT`: ``forward(partial,
-        touched)`` gives this rank's slab of the spectrum, its wave numbers and
-        the axes' order, ``inverse(spectrum, shape)`` the real mesh on the
-        planes it touched), for
-        a mesh-based reciprocal-space sum (PME). Collective, like
+        slabs (:class:`ase_shard.system_fft.SystemFFT`: ``plan(shape,
+        touched)`` cuts the slabs, ``forward(slabs, partial)`` gives this
+        rank's slab of the spectrum, ``inverse(slabs, spectrum)`` the real mesh
+        on the planes it touched), for a mesh-based reciprocal-space sum (PME). Collective, like
         ``system_sum``, and a constant for autograd. ``None`` where the graph
         holds the whole system: the transform is ``torch.fft.rfftn`` of the
         mesh itself.

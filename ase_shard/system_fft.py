@@ -10,10 +10,11 @@ along the first axis, transforms it along the other two, and after a
 transpose (one personalised all-to-all) along the first; it then holds the
 spectrum of one slab of the second axis's wave numbers. The inverse goes back
 the same way and ends with every rank holding the real mesh on the planes
-its atoms touch. A rank sends and receives only those planes (those of its
-atoms' interpolation stencils), and the slabs are cut along the axis where
-the ranks' planes overlap least: along the direction in which the spatial
-partition cut the ranks' domains, most planes stay on their rank.
+its atoms touch. A rank holds, sends and receives only those planes (those of
+its atoms' interpolation stencils), never the whole mesh, and the slabs are
+cut along the axis where the ranks' planes overlap least: along the direction
+in which the spatial partition cut the ranks' domains, most planes stay on
+their rank.
 
 Transforms are unnormalised both ways (``numpy``'s ``norm="backward"``
 forward, ``norm="forward"`` inverse), as torch-pme's ``KSpaceFilter`` is
@@ -30,67 +31,73 @@ import torch
 
 from ase_shard.comm import Comm
 from ase_shard.exchange import check_status
+from ase_shard.graph import MeshSlabs
 
 
 class SystemFFT:
     """``graph.system_fft``: the ranks' meshes summed and transformed, slab by slab.
 
-    Collective: every rank calls :meth:`forward` and then :meth:`inverse` with
-    meshes of the same shape. Each call starts with the calculator's status
-    vote (as :class:`ase_shard.system_sum.SystemSum` does), so that a rank
-    whose model raised stops the others instead of leaving them waiting.
+    Collective: every rank calls :meth:`plan`, :meth:`forward` and then
+    :meth:`inverse` for meshes of the same shape. Each call that moves data
+    starts with the calculator's status vote (as
+    :class:`ase_shard.system_sum.SystemSum` does), so that a rank whose model
+    raised stops the others instead of leaving them waiting.
     """
 
     def __init__(self, comm: Comm):
         self.comm = comm
-        # the last forward's axis order, and the planes each rank touches along its first
-        self._order: tuple[int, int, int] = (0, 1, 2)
-        self._touched: np.ndarray | None = None  # (ranks, planes)
 
-    def forward(
-        self, partial: torch.Tensor, touched: Sequence[torch.Tensor]
-    ) -> tuple[torch.Tensor, slice, tuple[int, int, int]]:
-        """This rank's slab of the transform of every rank's ``partial`` summed.
-
-        The slabs are cut along the axis where the ranks' planes overlap least
-        (the ranks' domains' direction): the mesh is transformed with its axes
-        in ``order``, that axis first.
+    def plan(self, shape: Sequence[int], touched: Sequence[torch.Tensor]) -> MeshSlabs:
+        """Where the slabs are cut, from the planes every rank touches.
 
         Parameters
         ----------
-        partial : (n0, n1, n2) real tensor
-            This rank's mesh, zero outside the planes ``touched``.
-        touched : three bool tensors, (n0,), (n1,) and (n2,)
+        shape : (n_x, n_y, n_z)
+            The mesh's shape along the cell's vectors.
+        touched : three bool tensors, ``(n_x,)``, ``(n_y,)`` and ``(n_z,)``
             The planes along each axis where this rank's mesh may be nonzero,
             and where :meth:`inverse` is to give it the potential.
+        """
+        check_status(*self.comm.status(False), "during a mesh transform")
+        size = self.comm.size
+        flags = torch.cat([mask.detach().cpu() for mask in touched]).numpy()
+        every = self.comm.allgather_rows(flags.astype(np.uint8).reshape(1, -1), [1] * size)
+        every = np.split(every.astype(bool), np.cumsum(shape)[:-1], axis=1)
+        axis = _slab_axis(every, shape, size)
+        order = (axis, (axis + 1) % 3, (axis + 2) % 3)
+        n0, n1, n2 = (int(shape[a]) for a in order)
+        rows = _blocks(n1, size)
+        start = int(rows[: self.comm.rank].sum())
+        return MeshSlabs(
+            order=order,
+            shape=(n0, n1, n2),
+            planes=np.flatnonzero(every[axis][self.comm.rank]),
+            rows=slice(start, start + int(rows[self.comm.rank])),
+            touched=every[axis],
+        )
 
-        Returns
-        -------
-        spectrum : (len(rows), n[order[0]], n[order[2]] // 2 + 1) complex tensor
-            ``torch.fft.rfftn(partial.permute(order))`` of the summed mesh at
-            the wave numbers ``rows`` of its second axis, that axis first
-            (the layout the transpose leaves, kept).
-        rows : slice
-            This rank's wave numbers along the second axis (indices).
-        order : (int, int, int)
-            The mesh's axes in the order transformed: a cyclic shift.
+    def forward(self, slabs: MeshSlabs, partial: torch.Tensor) -> torch.Tensor:
+        """This rank's slab of the transform of every rank's ``partial`` summed.
+
+        ``partial`` is this rank's mesh on its planes, ``(len(slabs.planes), n1,
+        n2)`` with the axes in ``slabs.order``. The result is ``(len(slabs.rows),
+        n2 // 2 + 1, n0)`` (wave numbers along ``n1``, ``n2`` and ``n0``): the
+        elements ``[k1, k2, k0]`` of ``torch.fft.rfftn`` of the summed mesh (axes
+        in order) at ``k1`` in ``slabs.rows``. The transform's last pass runs
+        along contiguous memory, and that layout is kept.
         """
         check_status(*self.comm.status(False), "during a mesh transform")
         rank, size = self.comm.rank, self.comm.size
-        flags = torch.cat([mask.detach().cpu() for mask in touched]).numpy()
-        every = self.comm.allgather_rows(flags.astype(np.uint8).reshape(1, -1), [1] * size)
-        every = np.split(every.astype(bool), np.cumsum(partial.shape)[:-1], axis=1)
-        axis = _slab_axis(every, partial.shape, size)
-        self._order = order = (axis, (axis + 1) % 3, (axis + 2) % 3)
-        self._touched = every = every[axis]
-        mesh = partial.detach().to("cpu", torch.float64).permute(order).numpy()
-        n0, n1, n2 = mesh.shape
+        every = slabs.touched
+        n0, n1, n2 = slabs.shape
         planes = _blocks(n0, size)
         starts = np.concatenate([[0], np.cumsum(planes)])
         mine = slice(starts[rank], starts[rank + 1])
-        # each rank's touched planes in this rank's block, added in rank order
+        # each rank's planes in this rank's block, added in rank order
         received = self.comm.alltoallv_rows(
-            mesh[every[rank]], _per_block(every[rank], starts), every[:, mine].sum(axis=1)
+            partial.detach().to("cpu", torch.float64).numpy(),
+            _per_block(every[rank], starts),
+            every[:, mine].sum(axis=1),
         )
         slab = np.zeros((planes[rank], n1, n2))
         first = 0
@@ -103,76 +110,88 @@ class SystemFFT:
             torch.from_numpy(slab),
             (planes[rank], n1, n2 // 2 + 1),
         )
-        columns = self._transpose(half, planes, _blocks(n1, size))
-        spectrum = _unless_empty(  # (rows, n0, n2 // 2 + 1)
-            lambda columns: torch.fft.fft(columns, dim=1), columns, columns.shape
+        columns = self._planes_to_columns(half.numpy(), planes, _blocks(n1, size))
+        spectrum = _unless_empty(
+            lambda columns: torch.fft.fft(columns, dim=2), columns, columns.shape
         )
-        return spectrum.to(partial.device), self._rows(n1), order
+        return spectrum.to(partial.device)
 
-    def inverse(self, spectrum: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        """The real mesh of ``shape`` from every rank's slab of its spectrum.
+    def inverse(self, slabs: MeshSlabs, spectrum: torch.Tensor) -> torch.Tensor:
+        """This rank's planes of the real mesh whose spectrum the ranks' slabs hold.
 
-        The inverse of :meth:`forward`'s transform (unnormalised):
-        ``torch.fft.irfftn(whole_spectrum, norm="forward")`` with the axes
-        back in their order, on the planes this rank said it touched at
-        :meth:`forward` along the slabs' axis, zero elsewhere. ``spectrum`` is
-        this rank's slab, as :meth:`forward` returned it.
+        The inverse of :meth:`forward`'s transform (unnormalised,
+        ``torch.fft.irfftn(whole, norm="forward")``, axes in ``slabs.order``),
+        ``(len(slabs.planes), n1, n2)``. ``spectrum`` is this rank's slab,
+        laid out as :meth:`forward` returned it.
         """
         check_status(*self.comm.status(False), "during a mesh transform")
-        order, every = self._order, self._touched
-        n0, n1, n2 = (shape[axis] for axis in order)
         rank, size = self.comm.rank, self.comm.size
-        planes, rows = _blocks(n0, size), _blocks(n1, size)
+        every = slabs.touched
+        n0, n1, n2 = slabs.shape
+        planes = _blocks(n0, size)
         starts = np.concatenate([[0], np.cumsum(planes)])
         columns = _unless_empty(
-            lambda spectrum: torch.fft.ifft(spectrum, dim=1, norm="forward"),
+            lambda spectrum: torch.fft.ifft(spectrum, dim=2, norm="forward"),
             spectrum.detach().cpu(),
             spectrum.shape,
         )
-        half = self._transpose(columns, rows, planes)  # (mine, n1, n2 // 2 + 1)
+        half = self._columns_to_planes(columns.numpy(), _blocks(n1, size), planes)
         slab = _unless_empty(
             lambda half: torch.fft.irfftn(half, s=(n1, n2), dim=(1, 2), norm="forward"),
-            half,
+            torch.from_numpy(half),
             (half.shape[0], n1, n2),
             torch.float64,
         ).numpy()
-        # each rank's touched planes of this rank's block go back to it
+        # each rank's planes of this rank's block go back to it
         mine = slice(starts[rank], starts[rank + 1])
         outgoing = np.concatenate([slab[every[receiver, mine]] for receiver in range(size)])
         received = self.comm.alltoallv_rows(
             outgoing, every[:, mine].sum(axis=1), _per_block(every[rank], starts)
         )
-        mesh = np.zeros((n0, n1, n2))
-        mesh[every[rank]] = received
-        # axes back in the caller's order (a view)
-        return torch.from_numpy(mesh).permute(np.argsort(order).tolist()).to(spectrum.device)
+        return torch.from_numpy(received).to(spectrum.device)
 
-    def _transpose(
-        self, block: torch.Tensor, held: np.ndarray, wanted: np.ndarray
+    def _planes_to_columns(
+        self, half: np.ndarray, planes: np.ndarray, rows: np.ndarray
     ) -> torch.Tensor:
-        """From ``held[rank]`` rows of every column to every row of ``wanted[rank]`` columns.
-
-        ``block`` is ``(held[rank], C, k)`` with ``C = sum(wanted)``; the result is
-        ``(wanted[rank], R, k)``, ``R = sum(held)``, rows in rank order.
-        """
+        """The forward transpose: ``(planes[rank], n1, k)``, every wave number along
+        ``n1`` of this rank's planes, to ``(rows[rank], k, n0)``, every plane of this
+        rank's wave numbers (the planes last, contiguous, for the last transform)."""
         rank = self.comm.rank
-        depth = block.shape[2]
-        # what goes to rank s: the columns of its block, every held row (flattened)
-        outgoing = block.permute(1, 0, 2).contiguous().numpy().reshape(-1)
-        sent = wanted * held[rank] * depth
-        received = self.comm.alltoallv_rows(outgoing, sent, held * wanted[rank] * depth)
-        parts = np.split(received, np.cumsum(held * wanted[rank] * depth)[:-1])
-        shaped = [
-            part.reshape(wanted[rank], count, depth)
-            for part, count in zip(parts, held, strict=True)
-        ]
-        return torch.from_numpy(np.concatenate(shaped, axis=1))
+        depth = half.shape[2]
+        # what goes to rank s: its wave numbers of every plane held here
+        outgoing = np.ascontiguousarray(half.transpose(1, 0, 2)).reshape(-1)
+        incoming = planes * rows[rank] * depth
+        received = self.comm.alltoallv_rows(outgoing, rows * planes[rank] * depth, incoming)
+        columns = np.empty((rows[rank], depth, int(planes.sum())), dtype=half.dtype)
+        ends = np.cumsum(incoming)
+        for sender, (end, count) in enumerate(zip(ends, incoming, strict=True)):
+            first = int(planes[:sender].sum())
+            part = received[end - count : end].reshape(rows[rank], planes[sender], depth)
+            columns[:, :, first : first + planes[sender]] = part.transpose(0, 2, 1)
+        return torch.from_numpy(columns)
 
-    def _rows(self, ny: int) -> slice:
-        """This rank's wave numbers along the second axis."""
-        blocks = _blocks(ny, self.comm.size)
-        start = int(blocks[: self.comm.rank].sum())
-        return slice(start, start + int(blocks[self.comm.rank]))
+    def _columns_to_planes(
+        self, columns: np.ndarray, rows: np.ndarray, planes: np.ndarray
+    ) -> np.ndarray:
+        """The inverse transpose: ``(rows[rank], k, n0)`` to ``(planes[rank], n1, k)``."""
+        rank = self.comm.rank
+        depth = columns.shape[1]
+        # what goes to rank s: its planes of this rank's wave numbers, planes first
+        bounds = np.concatenate([[0], np.cumsum(planes)])
+        outgoing = np.concatenate(
+            [
+                columns[:, :, bounds[s] : bounds[s + 1]].transpose(2, 0, 1).reshape(-1)
+                for s in range(len(planes))
+            ]
+        )
+        incoming = rows * planes[rank] * depth
+        received = self.comm.alltoallv_rows(outgoing, planes * rows[rank] * depth, incoming)
+        parts = np.split(received, np.cumsum(incoming)[:-1])
+        shaped = [
+            part.reshape(planes[rank], count, depth)
+            for part, count in zip(parts, rows, strict=True)
+        ]
+        return np.concatenate(shaped, axis=1)
 
 
 def _slab_axis(touched: list[np.ndarray], shape: Sequence[int], ranks: int) -> int:

@@ -2,10 +2,10 @@
 
 Plain pytest runs one rank; ``mpirun -n P python -m pytest --with-mpi`` runs P (2, 3
 and 4 in ``make test``). Every rank has its own random mesh, nonzero on every plane of
-the first axis or on a random few of them (the planes its atoms would touch); the
-oracle is ``torch.fft.rfftn`` of their sum in one process (every rank draws every
-rank's mesh from one seed), and ``irfftn`` of the whole spectrum for the inverse, on
-the rank's planes.
+the first axis or on a random few of them (the planes its atoms would touch), and
+gives the transform only those planes; the oracle is ``torch.fft.rfftn`` of their
+sum in one process (every rank draws every rank's mesh from one seed), and
+``irfftn`` of the whole spectrum for the inverse, on the rank's planes.
 """
 
 from __future__ import annotations
@@ -45,12 +45,18 @@ def _meshes(
 
 
 def _kernel(shape: tuple[int, ...]) -> torch.Tensor:
-    """A function of |k|^2 on the (n1, n0, n2 // 2 + 1) spectrum of an (n0, n1, n2) mesh,
-    as a reciprocal-space kernel is: the filtered spectrum then keeps the symmetry of a
-    real mesh's, which irfftn assumes."""
+    """A function of |k|^2 on the (n1, n2 // 2 + 1, n0) spectrum slab layout of an (n0,
+    n1, n2) mesh, as a reciprocal-space kernel is: the filtered spectrum then keeps the
+    symmetry of a real mesh's, which irfftn assumes."""
     squares = [torch.fft.fftfreq(n, dtype=torch.float64) ** 2 for n in shape[:2]]
     squares.append(torch.fft.rfftfreq(shape[2], dtype=torch.float64) ** 2)
-    return torch.exp(-(squares[1][:, None, None] + squares[0][:, None] + squares[2]))
+    return torch.exp(-(squares[1][:, None, None] + squares[2][:, None] + squares[0]))
+
+
+def _whole(summed: torch.Tensor, order: tuple[int, int, int]) -> torch.Tensor:
+    """The oracle's spectrum of the summed mesh, axes in ``order``, laid out as the
+    slabs are: (k1, k2, k0)."""
+    return torch.fft.rfftn(summed.permute(order)).permute(1, 2, 0)
 
 
 TOUCHED = ["all", "random", "domains"]
@@ -60,14 +66,20 @@ TOUCHED = ["all", "random", "domains"]
 @pytest.mark.parametrize("shape", SHAPES)
 def test_forward_is_the_summed_meshes_transform(shape: tuple[int, int, int], some: str) -> None:
     mine, touched, summed = _meshes(shape, some)
-    spectrum, rows, order = SystemFFT(COMM).forward(mine, touched)
+    fft = SystemFFT(COMM)
+    slabs = fft.plan(shape, touched)
+    order = slabs.order
     if some == "domains" and COMM.size > 1:
         assert order == (2, 0, 1)  # the slabs follow the ranks' domains
-    whole = torch.fft.rfftn(summed.permute(order)).transpose(0, 1)
-    assert spectrum.shape == whole[rows].shape
-    np.testing.assert_allclose(spectrum.numpy(), whole[rows].numpy(), rtol=0, atol=1e-12)
+    assert slabs.shape == tuple(shape[axis] for axis in order)
+    np.testing.assert_array_equal(slabs.planes, np.flatnonzero(touched[order[0]].numpy()))
+    # only this rank's planes are given
+    spectrum = fft.forward(slabs, mine.permute(order)[slabs.planes].contiguous())
+    whole = _whole(summed, order)
+    assert spectrum.shape == whole[slabs.rows].shape
+    np.testing.assert_allclose(spectrum.numpy(), whole[slabs.rows].numpy(), rtol=0, atol=1e-12)
     # the ranks' slabs tile the wave numbers of the second axis, in rank order
-    starts = COMM.allgather((rows.start, rows.stop))
+    starts = COMM.allgather((slabs.rows.start, slabs.rows.stop))
     assert [start for start, _ in starts] == [0] + [stop for _, stop in starts[:-1]]
     assert starts[-1][1] == shape[order[1]]
 
@@ -77,20 +89,17 @@ def test_forward_is_the_summed_meshes_transform(shape: tuple[int, int, int], som
 def test_inverse_gives_each_rank_its_planes(shape: tuple[int, int, int], some: str) -> None:
     mine, touched, summed = _meshes(shape, some)
     fft = SystemFFT(COMM)
-    spectrum, rows, order = fft.forward(mine, touched)
-    permuted = tuple(shape[axis] for axis in order)
-    kernel = _kernel(permuted)
-    mesh = fft.inverse(spectrum * kernel[rows], summed.shape)
-    whole = torch.fft.rfftn(summed.permute(order)).transpose(0, 1) * kernel
-    expected = torch.fft.irfftn(whole.transpose(0, 1), s=permuted, norm="forward")
-    expected = expected.permute(np.argsort(order).tolist()).clone()
-    # the rank's planes along the slabs' axis (the others are zero)
-    outside = ~touched[order[0]]
-    expected.index_fill_(order[0], torch.nonzero(outside).squeeze(1), 0.0)
-    assert mesh.shape == summed.shape
-    np.testing.assert_allclose(mesh.numpy(), expected.numpy(), rtol=0, atol=1e-10)
+    slabs = fft.plan(shape, touched)
+    order, rows = slabs.order, slabs.rows
+    spectrum = fft.forward(slabs, mine.permute(order)[slabs.planes].contiguous())
+    kernel = _kernel(slabs.shape)
+    planes = fft.inverse(slabs, spectrum * kernel[rows])
+    filtered = (_whole(summed, order) * kernel).permute(2, 0, 1)
+    expected = torch.fft.irfftn(filtered, s=slabs.shape, norm="forward")[slabs.planes]
+    assert planes.shape == (len(slabs.planes), *slabs.shape[1:])
+    np.testing.assert_allclose(planes.numpy(), expected.numpy(), rtol=0, atol=1e-10)
     # a plane that several ranks touch holds the same bits on each (its owner's)
-    every = COMM.allgather((mesh.movedim(order[0], 0).numpy(), touched[order[0]].numpy()))
-    for plane in range(shape[order[0]]):
-        held = [values[plane] for values, mask in every if mask[plane]]
+    every = COMM.allgather((planes.numpy(), slabs.planes))
+    for plane in range(slabs.shape[0]):
+        held = [values[list(at).index(plane)] for values, at in every if plane in at]
         assert all(np.array_equal(values, held[0]) for values in held)

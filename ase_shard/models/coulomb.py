@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ase_shard.graph import LocalGraph
+from ase_shard.graph import LocalGraph, MeshSlabs
 from ase_shard.models.sum import Addable
 
 _METHODS = ("ewald", "pme")
@@ -218,9 +218,13 @@ class Coulomb(Addable, torch.nn.Module):
         k_a k_b``; the gradient with respect to the cell ``h`` is ``h^-T W``. Each
         rank sums ``W`` over its wave numbers, the ranks' parts are added, and each
         rank adds its share of atoms of the whole, so that the ranks' gradients add
-        up to it once. The kernel's values and moments depend on the cell only and
+        up to it once. The kernel's values and slope depend on the cell only and
         are kept until it changes (:class:`_MeshLattice`): an MD step at constant
-        volume evaluates no kernel, and no gradient flows through the FFTs.
+        volume evaluates no kernel, and no gradient flows through the FFTs. The
+        moments ``k_a k_b`` take one pass over the spectrum (``k`` is separable in
+        the integer wave numbers). On several ranks each spreads its charges on
+        the planes its atoms touch (along the slabs' axis) and gets the
+        potential back on those: no rank holds the whole mesh.
         """
         from torchpme.lib import MeshInterpolator, get_ns_mesh
 
@@ -230,48 +234,72 @@ class Coulomb(Addable, torch.nn.Module):
         ns = get_ns_mesh(cell.detach(), self.mesh_spacing)
         mesh = MeshInterpolator(cell, ns, interpolation_nodes=4, method="Lagrange")
         mesh.compute_weights(positions)
-        spread = mesh.points_to_mesh(charges.detach().unsqueeze(-1)).detach()[0]
-        # the transform of all ranks' charges, (ky, kx, kz): on several ranks each
-        # holds a slab of the ky (graph.system_fft)
+        # each atom's stencil: (nodes^3, atoms) mesh indices per axis and weights
+        # (torch-pme's, as its points_to_mesh and mesh_to_points form them)
+        stencil = (mesh.x_indices, mesh.y_indices, mesh.z_indices)
+        weights = mesh.interpolation_weights
+        weights = (
+            weights[mesh.x_shifts, :, 0]
+            * weights[mesh.y_shifts, :, 1]
+            * weights[mesh.z_shifts, :, 2]
+        )
         fft = graph.system_fft
         if fft is None:
-            order = (0, 1, 2)
-            density_k, rows = torch.fft.rfftn(spread).transpose(0, 1), slice(None)
+            order, slabs = (0, 1, 2), None
+            shape, indices = tuple(ns.tolist()), stencil
         else:
-            # the planes along each axis that the owned atoms' stencils reach
+            # the planes along each axis that the owned atoms' stencils reach: this
+            # rank's part of the mesh is its planes along the slabs' axis
             touched = []
-            stencils = (mesh.x_indices, mesh.y_indices, mesh.z_indices)
-            for count, reached in zip(spread.shape, stencils, strict=True):
-                planes = torch.zeros(count, dtype=torch.bool, device=spread.device)
+            for count, reached in zip(ns.tolist(), stencil, strict=True):
+                planes = torch.zeros(count, dtype=torch.bool, device=positions.device)
                 planes[reached.reshape(-1)] = True
                 touched.append(planes)
-            density_k, rows, order = fft.forward(spread, touched)
+            slabs = fft.plan(ns.tolist(), touched)
+            order = slabs.order
+            at = torch.full((slabs.shape[0],), -1, dtype=torch.long, device=positions.device)
+            at[torch.from_numpy(slabs.planes).to(positions.device)] = torch.arange(
+                len(slabs.planes), device=positions.device
+            )
+            shape = (len(slabs.planes), *slabs.shape[1:])
+            indices = (at[stencil[order[0]]], stencil[order[1]], stencil[order[2]])
+        spread = torch.zeros(shape, dtype=cell.dtype, device=cell.device).index_put_(
+            indices, (charges * weights).detach(), accumulate=True
+        )
+        # the transform of all ranks' charges: in one process the whole spectrum (kx,
+        # ky, kz); on several ranks this rank's slab (k1 in slabs.rows, k2, k0) of the
+        # mesh's axes taken in `order` (graph.system_fft)
+        if fft is None:
+            density_k = torch.fft.rfftn(spread)
+        else:
+            density_k = fft.forward(slabs, spread)
         # the spectrum is of the mesh with its axes in `order`: so are the k-vectors
-        lattice = self._lattice(cell.detach()[list(order)], ns[list(order)], rows)
+        lattice = self._lattice(cell.detach()[list(order)], ns[list(order)], slabs)
         ivolume = cell.detach().det().abs().reciprocal()
 
-        # the slab's part of W without the background (the kernel energy and the
-        # G'-weighted moments k_a k_b of the power spectrum, in one product); the
-        # ranks' parts, their net charges and atom counts are added in one sum
-        squares = torch.view_as_real(density_k).reshape(-1, 2).square()
-        kernel_energy, *moments = 0.5 * ivolume * (lattice.moments @ squares).sum(-1)
-        voigt = torch.stack(moments)[[0, 5, 4, 5, 1, 3, 4, 3, 2]].reshape(3, 3)
+        # the slab's part of W without the background: the kernel energy and the
+        # G'-weighted moments k_a k_b of the power spectrum; the ranks' parts, their
+        # net charges and atom counts are added in one sum
+        power = torch.view_as_real(density_k).square().sum(-1).mul_(lattice.weights)
+        kernel_energy = 0.5 * ivolume * torch.dot(power.reshape(-1), lattice.kernel.reshape(-1))
+        moments = 0.5 * ivolume * lattice.second_moments(power.mul_(lattice.slope))
         identity = torch.eye(3, dtype=cell.dtype, device=cell.device)
-        slab_gradient = -2.0 * voigt - kernel_energy * identity
+        slab_gradient = -2.0 * moments - kernel_energy * identity
         owned = torch.stack([charges.detach().sum(), charges.new_tensor(float(graph.n_owned))])
         sums = total(torch.cat([owned.to(cell.dtype), slab_gradient.reshape(9)]))
         net_charge, n_atoms, strain_gradient = sums[0], sums[1], sums[2:].reshape(3, 3)
         background = -2.0 * self.potential.background_correction() * net_charge * ivolume
         strain_gradient = strain_gradient - 0.5 * background * net_charge * identity
 
-        filtered = density_k * lattice.kernel
+        # filtered in place: the spectrum is not needed again
+        filtered = torch.view_as_complex(
+            torch.view_as_real(density_k).mul_(lattice.kernel.unsqueeze(-1))
+        )
         if fft is None:
-            potential_mesh = torch.fft.irfftn(
-                filtered.transpose(0, 1), s=spread.shape, norm="forward"
-            )
+            potential_mesh = torch.fft.irfftn(filtered, s=shape, norm="forward")
         else:
-            potential_mesh = fft.inverse(filtered, spread.shape)
-        potential = mesh.mesh_to_points(potential_mesh.unsqueeze(0)).squeeze(-1) * ivolume
+            potential_mesh = fft.inverse(slabs, filtered)
+        potential = (potential_mesh[indices] * weights).sum(0) * ivolume
         energies = self._shares(charges, potential + background)
         if graph.n_owned == 0:
             return energies
@@ -285,39 +313,58 @@ class Coulomb(Addable, torch.nn.Module):
         self_energy = 0.5 * self.potential.self_contribution() * charges * charges
         return share - 0.5 * share.detach() - self_energy
 
-    def _lattice(self, cell: torch.Tensor, ns: torch.Tensor, rows: slice) -> _MeshLattice:
+    def _lattice(
+        self, cell: torch.Tensor, ns: torch.Tensor, slabs: MeshSlabs | None
+    ) -> _MeshLattice:
         """The PME kernel at this rank's wave numbers (kept while the cell is the same).
 
-        ``cell`` and ``ns`` have their vectors in the order of the spectrum's mesh axes.
+        ``cell`` and ``ns`` have their vectors in the order of the mesh's axes
+        as transformed. Laid out like the spectrum: ``(k0, k1, k2)`` in one
+        process, ``(k1 in slabs.rows, k2, k0)`` on several
+        (:meth:`ase_shard.system_fft.SystemFFT.forward`).
         """
-        key = (tuple(ns.tolist()), rows.start, rows.stop)
+        rows = slice(None) if slabs is None else slabs.rows
+        key = (tuple(ns.tolist()), slabs is None, rows.start, rows.stop)
         kept = self._kept_lattice
         if kept is not None and kept.key == key and torch.equal(kept.cell, cell):
             return kept
         from torchpme.lib import generate_kvectors_for_mesh
 
-        # (ky, kx, kz) like the spectrum; (nx, ny, nz // 2 + 1, 3) from torch-pme
-        kvectors = generate_kvectors_for_mesh(cell=cell, ns=ns).transpose(0, 1)[rows]
+        # (n0, n1, n2 // 2 + 1, 3) from torch-pme: k = m0 b0 + m1 b1 + m2 b2, m the
+        # integer frequencies and b the reciprocal vectors (2 pi h^-T)
+        kvectors = generate_kvectors_for_mesh(cell=cell, ns=ns)
         k_squared = kvectors.square().sum(-1).requires_grad_()
         with torch.enable_grad():
             kernel = self.potential.kernel_from_k_sq(k_squared)
-            (derivative,) = torch.autograd.grad(kernel.sum(), k_squared)
-        kernel = kernel.detach()
-        # the half spectrum stands for the whole: the planes kz = 0 and, for an even
-        # count, kz = nz / 2 once, the others twice (their mirrors are not stored)
-        weights = torch.full_like(kernel, 2.0)
-        weights[..., 0] = 1.0
-        if int(ns[2]) % 2 == 0:
-            weights[..., -1] = 1.0
-        pairs = [(0, 0), (1, 1), (2, 2), (1, 2), (0, 2), (0, 1)]  # Voigt order
-        moments = [weights * kernel] + [
-            weights * derivative * kvectors[..., a] * kvectors[..., b] for a, b in pairs
+            (slope,) = torch.autograd.grad(kernel.sum(), k_squared)
+        options = {"dtype": cell.dtype, "device": cell.device}
+        counts = [int(n) for n in ns]
+        frequencies = [n * torch.fft.fftfreq(n, **options) for n in counts[:2]] + [
+            counts[2] * torch.fft.rfftfreq(counts[2], **options)
         ]
+        # the half spectrum stands for the whole: the planes k2 = 0 and, for an even
+        # count, k2 = n2 / 2 once, the others twice (their mirrors are not stored)
+        weights = torch.full_like(frequencies[2], 2.0)
+        weights[0] = 1.0
+        if counts[2] % 2 == 0:
+            weights[-1] = 1.0
+        reciprocal = 2.0 * torch.pi * torch.linalg.inv(cell).T
+        axes = [0, 1, 2] if slabs is None else [1, 2, 0]
+        tables = torch.stack([kernel.detach(), slope])
+        if slabs is None:
+            weights = weights.reshape(1, 1, -1)
+        else:
+            tables = tables.permute(0, 2, 3, 1)[:, rows]
+            frequencies[1] = frequencies[1][rows]
+            weights = weights.reshape(1, -1, 1)
         self._kept_lattice = _MeshLattice(
             cell=cell.clone(),
             key=key,
-            kernel=kernel.contiguous(),
-            moments=torch.stack(moments).reshape(7, -1),
+            kernel=tables[0].contiguous(),
+            slope=tables[1].contiguous(),
+            weights=weights,
+            frequencies=tuple(frequencies[axis] for axis in axes),
+            reciprocal=reciprocal[axes],
         )
         return self._kept_lattice
 
@@ -326,17 +373,62 @@ class Coulomb(Addable, torch.nn.Module):
 class _MeshLattice:
     """PME's reciprocal-space tables for one cell, mesh and slab (:meth:`Coulomb._pme`).
 
-    ``kernel`` is torch-pme's ``G(k^2)`` (eV Å) at the slab's wave numbers, shaped
-    like the spectrum, ``(ky, kx, kz)``; ``moments`` (7, points) holds ``w G`` and
-    ``w G'(k^2) k_a k_b`` in Voigt order (xx yy zz yz xz xy), ``w`` how many points
-    of the whole spectrum each stored one stands for. ``key`` is the mesh's shape
-    and the slab's bounds.
+    ``kernel`` is torch-pme's ``G(k^2)`` (eV Å) at the slab's wave numbers and
+    ``slope`` its ``G'(k^2)``, both shaped like the spectrum
+    (:meth:`Coulomb._lattice`); ``weights``, broadcast along the half axis, is
+    how many points of the whole spectrum each stored one stands for.
+    ``frequencies`` are the integer wave numbers ``m`` along the spectrum's
+    three axes, ``reciprocal`` the reciprocal vector (1/Å, with its 2 pi) of
+    each: ``k = sum_u m_u reciprocal[u]``. ``key`` is the mesh's shape and the
+    slab's bounds.
     """
 
     cell: torch.Tensor
     key: tuple
     kernel: torch.Tensor
-    moments: torch.Tensor
+    slope: torch.Tensor
+    weights: torch.Tensor
+    frequencies: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    reciprocal: torch.Tensor
+
+    def second_moments(self, values: torch.Tensor) -> torch.Tensor:
+        """``sum_k values_k k_a k_b`` (3, 3) of ``values`` laid out like the spectrum.
+
+        ``k`` is separable in the frequencies, so one pass over ``values`` (their
+        sums over the last axis weighted by 1, ``m`` and ``m^2``) gives every
+        moment ``S_uv = sum values m_u m_v``; then ``B^T S B``.
+        """
+        first, second, last = self.frequencies
+        powers = torch.stack([torch.ones_like(last), last, last * last], dim=1)
+        reduced = values.reshape(-1, len(last)) @ powers  # (A * B, 3)
+        reduced = reduced.reshape(len(first), len(second), 3)
+        plane = reduced[..., 0]
+        outer = torch.stack(
+            [
+                torch.stack(
+                    [
+                        first.square() @ plane.sum(1),
+                        first @ plane @ second,
+                        first @ reduced[..., 1].sum(1),
+                    ]
+                ),
+                torch.stack(
+                    [
+                        first @ plane @ second,
+                        second.square() @ plane.sum(0),
+                        second @ reduced[..., 1].sum(0),
+                    ]
+                ),
+                torch.stack(
+                    [
+                        first @ reduced[..., 1].sum(1),
+                        second @ reduced[..., 1].sum(0),
+                        reduced[..., 2].sum(),
+                    ]
+                ),
+            ]
+        )
+        return self.reciprocal.T @ outer @ self.reciprocal
 
 
 def _half_gradient(tensor: torch.Tensor) -> torch.Tensor:
