@@ -12,10 +12,11 @@ Cases (``--case``):
   9.7 / 7.9 / 5.3 Å by default), VelocityVerlet, 1 fs, 1,000 steps from 300 K.
 - ``cost``: time of one energy + forces + stress evaluation (median of ``--repeats``
   after a warm-up; positions moved a little each time, the decomposition reused) on
-  rank 0 alone and on all ranks, for EMT, D3 and EMT + D3 on 864 Cu and for Ewald and
-  PME on 512-atom NaCl, each with its speed-up and the machine's ceiling sampled in
-  the same run (``ase_shard.bench.machine.Ceiling``); ``--mlip 7net-0`` adds that
-  SevenNet model with and without D3 on 256 Cu.
+  rank 0 alone and on all ranks, for EMT, D3 and EMT + D3 on 864 Cu, for Ewald and
+  PME on 512-atom NaCl and PME with a 10 Å cutoff on 4,096-atom NaCl, each with its
+  speed-up and the machine's ceiling sampled in the same run
+  (``ase_shard.bench.machine.Ceiling``); ``--mlip 7net-0`` adds that SevenNet model
+  with and without D3 on 256 Cu.
 - ``d3-cost``: D3's compiled kernel beside EMT (docs/models.md, "D3"): EMT, D3 (BJ, ATM,
   the tests' 9.7 / 7.9 / 5.3 Å) and EMT + D3 on ``4 * --cu-repeat**3`` fcc Cu (32,000
   by default) timed as in ``cost``; then on rank 0, 108 Cu: D3 by its kernel, by its
@@ -126,6 +127,9 @@ def cost(repeats: int, mlip: str | None) -> list[dict]:
         ("EMT + D3", copper(6), lambda: EMT() + D3(**D3_CUTOFFS)),
         ("Ewald", nacl(4), lambda: Coulomb(method="ewald")),
         ("PME", nacl(4), lambda: Coulomb(method="pme")),
+        # the real-space sum's share as a run would tune it: a longer cutoff, the
+        # same 128^3 mesh for eight times the atoms
+        ("PME, 10 Å cutoff", nacl(8), lambda: Coulomb(method="pme", cutoff=10.0)),
     ]
     if mlip:
         from ase_shard.models import SevenNet

@@ -69,17 +69,18 @@ def test_forward_is_the_summed_meshes_transform(shape: tuple[int, int, int], som
     fft = SystemFFT(COMM)
     slabs = fft.plan(shape, touched)
     order = slabs.order
+    # only this rank's planes are given; every collective before any assertion, so
+    # that a rank that fails one leaves no other waiting
+    spectrum = fft.forward(slabs, mine.permute(order)[slabs.planes].contiguous())
+    starts = COMM.allgather((slabs.rows.start, slabs.rows.stop))
     if some == "domains" and COMM.size > 1:
         assert order == (2, 0, 1)  # the slabs follow the ranks' domains
     assert slabs.shape == tuple(shape[axis] for axis in order)
     np.testing.assert_array_equal(slabs.planes, np.flatnonzero(touched[order[0]].numpy()))
-    # only this rank's planes are given
-    spectrum = fft.forward(slabs, mine.permute(order)[slabs.planes].contiguous())
     whole = _whole(summed, order)
     assert spectrum.shape == whole[slabs.rows].shape
     np.testing.assert_allclose(spectrum.numpy(), whole[slabs.rows].numpy(), rtol=0, atol=1e-12)
     # the ranks' slabs tile the wave numbers of the second axis, in rank order
-    starts = COMM.allgather((slabs.rows.start, slabs.rows.stop))
     assert [start for start, _ in starts] == [0] + [stop for _, stop in starts[:-1]]
     assert starts[-1][1] == shape[order[1]]
 
@@ -94,12 +95,12 @@ def test_inverse_gives_each_rank_its_planes(shape: tuple[int, int, int], some: s
     spectrum = fft.forward(slabs, mine.permute(order)[slabs.planes].contiguous())
     kernel = _kernel(slabs.shape)
     planes = fft.inverse(slabs, spectrum * kernel[rows])
+    every = COMM.allgather((planes.numpy(), slabs.planes))
     filtered = (_whole(summed, order) * kernel).permute(2, 0, 1)
     expected = torch.fft.irfftn(filtered, s=slabs.shape, norm="forward")[slabs.planes]
     assert planes.shape == (len(slabs.planes), *slabs.shape[1:])
     np.testing.assert_allclose(planes.numpy(), expected.numpy(), rtol=0, atol=1e-10)
     # a plane that several ranks touch holds the same bits on each (its owner's)
-    every = COMM.allgather((planes.numpy(), slabs.planes))
     for plane in range(slabs.shape[0]):
         held = [values[list(at).index(plane)] for values, at in every if plane in at]
         assert all(np.array_equal(values, held[0]) for values in held)
