@@ -52,6 +52,7 @@ from ase_shard.layouts import (
     Request,
     RootLayout,
 )
+from ase_shard.memory import RankShare, is_out_of_memory, out_of_memory
 from ase_shard.models.sum import Sum
 from ase_shard.padding import Capacities, CompiledModel, runs_compiled
 from ase_shard.placement import checked_dtype, place_rank, placed
@@ -496,7 +497,10 @@ class ShardedCalculator(Calculator):
 
         def own_block() -> tuple[tuple[int, ...], list[Capacities]]:
             validate_rows(rows, state.rows, request.input_shapes)
-            self._block = self._new_block(state, rows, request)
+            try:
+                self._block = self._new_block(state, rows, request)
+            except Exception as exc:
+                raise self._memory_failure(exc, "listing its edges") from exc
             planned = state.rows
             counts = (len(planned.ids), planned.n_owned, planned.n_nodes, len(planned.send_index))
             return counts, [block.needed() for block in self._term_blocks()]
@@ -590,7 +594,7 @@ class ShardedCalculator(Calculator):
         except PeerFailure as exc:
             failure = Failure.of(exc, comm.rank)
         except Exception as exc:
-            failure = Failure.of(exc, comm.rank)
+            failure = Failure.of(self._memory_failure(exc, "in its evaluation"), comm.rank)
             comm.status(True, closing=True)
         if failure is not None:
             with self.timer.phase("gather"):
@@ -603,6 +607,19 @@ class ShardedCalculator(Calculator):
         return columns
 
     # -- helpers -----------------------------------------------------------------------
+
+    def _memory_failure(self, error: Exception, where: str) -> Exception:
+        """``error``, or if it is an allocation failure the :class:`OutOfMemory` that
+        says what this rank held (its atoms, ghosts and, once listed, edges)."""
+        if not is_out_of_memory(error):
+            return error
+        rows = self.layout.state.rows
+        edges = None
+        if self._block is not None:
+            edges = sum(int(block.centre.shape[0]) for block in self._term_blocks())
+        return out_of_memory(
+            error, RankShare(rows.n_owned, rows.n_nodes - rows.n_owned, edges), where
+        )
 
     def _term_blocks(self) -> list[LocalBlock]:
         """The block of each term (of a ``Sum``: one per term), in the terms' order."""

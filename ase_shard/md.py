@@ -64,6 +64,7 @@ from ase.parallel import parprint, world
 from ase_shard.calculator import ShardedCalculator
 from ase_shard.comm import Comm
 from ase_shard.distributed import GLOBAL_ID, DistributedAtoms, distribute
+from ase_shard.memory import peak_memory
 from ase_shard.models import EMT, LennardJones, Morse
 from ase_shard.presets import (
     FILE_DEFAULTS,
@@ -961,12 +962,20 @@ class Timing:
         return self.wall - self.first_call
 
 
+def memory_line(peaks: list[int]) -> str:
+    """Per-rank bytes as the summary prints them: min, mean and max in MiB."""
+    mib = np.array(peaks, dtype=float) / 2**20
+    return f"{mib.min():.0f} / {mib.mean():.0f} / {mib.max():.0f} MiB per rank (min / mean / max)"
+
+
 def print_summary(
     atoms: Atoms, steps: int, timing: Timing, rebuilds: int, tracker: EnergyTracker, ensemble: str
 ) -> None:
     """Rank 0: throughput (counted from the end of the first force call, as the
-    progress), rebuilds, then for NVE the total-energy drift per atom and for the
-    thermostats the temperature's mean and standard deviation; final T."""
+    progress), rebuilds, each rank's peak resident memory (and GPU memory) as min,
+    mean and max, then for NVE the total-energy drift per atom and for the
+    thermostats the temperature's mean and standard deviation; final T. Collective:
+    every rank calls it."""
     n = atoms.get_global_number_of_atoms()
     rate = steps / timing.steps_time if timing.steps_time > 0 else float("nan")
     lines = [
@@ -979,7 +988,11 @@ def print_summary(
         f"  steps/s        {rate:.3f} after the first force call",
         f"  atom-steps/s   {rate * n:.4g} after the first force call",
         f"  rebuilds       {rebuilds}",
+        f"  peak memory    {memory_line(Comm().allgather(peak_memory()))}",
     ]
+    if torch.cuda.is_initialized():
+        device_peaks = Comm().allgather(torch.cuda.max_memory_allocated())
+        lines.append(f"  peak GPU mem.  {memory_line(device_peaks)} (torch's allocations)")
     if ensemble in THERMOSTATS:
         temperatures = np.array(tracker.temperatures)
         lines.append(

@@ -262,6 +262,14 @@ def test_md_under_mpirun_two_ranks(launches: dict[str, Future]) -> None:
     assert done.stdout.count(SUMMARY) == 1
     assert summary_field(done.stdout, "ranks") == "2"
     assert done.stderr.count("100%") == 1  # the progress lines come from rank 0 only
+    # each rank's peak resident memory, as LAMMPS prints it: a torch process holds
+    # more than 100 MiB, and this run far less than 10 GiB
+    peaks = re.fullmatch(
+        r"(\d+) / (\d+) / (\d+) MiB per rank \(min / mean / max\)",
+        summary_field(done.stdout, "peak memory"),
+    )
+    low, mean, high = (int(value) for value in peaks.groups())
+    assert 100 < low <= mean <= high < 10 * 1024
 
 
 def test_overlapping_atoms_under_mpirun_report_once(launches: dict[str, Future]) -> None:

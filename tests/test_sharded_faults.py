@@ -11,8 +11,12 @@ lists every fault with the test that drives it. Faults already covered by
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
+import resource
+import sys
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -27,7 +31,7 @@ from soak import run_nve_soak
 from systems import AR, CASES
 from toy_models import ToyMessagePassing
 
-from ase_shard import CollectiveError, ShardedCalculator
+from ase_shard import CollectiveError, OutOfMemory, ShardedCalculator
 from ase_shard.exchange import ExchangeMismatch
 from ase_shard.models import EMT, LennardJones
 from ase_shard.partition import PARTITIONS
@@ -72,7 +76,8 @@ class Faulty(torch.nn.Module):
     ``fault``: ``raise`` (Boom in forward), ``raise-odd`` (an exception that
     needs two arguments), ``backward`` (Boom during autograd), ``nan-energy`` /
     ``inf-energy`` (the first owned atom's energy), ``nan-forces`` (a finite
-    energy whose gradient is NaN).
+    energy whose gradient is NaN), ``allocate`` (a scratch tensor of
+    :data:`SCRATCH_BYTES`, which a rank with a memory limit cannot get).
     """
 
     def __init__(self, fault: str, ranks: set[int]):
@@ -92,6 +97,9 @@ class Faulty(torch.nn.Module):
             raise NeedsTwoArguments(7, "odd failure")
         if self.fault == "backward":
             return FailInBackward.apply(energies)
+        if self.fault == "allocate":
+            scratch = torch.empty(SCRATCH_BYTES, dtype=torch.uint8)
+            return energies + scratch[:0].sum()
         bump = torch.zeros_like(energies)
         if self.fault == "nan-energy":
             bump[0] = torch.nan
@@ -133,6 +141,64 @@ def test_model_exception_on_two_ranks_names_both() -> None:
     more = "; 1 more rank(s) failed" if COMM.size > 1 else ""
     pattern = rf"model failed \[rank 0{re.escape(more)}\]$"
     _fail_then_recover(Faulty("raise", {0, LAST}), Boom, pattern)
+
+
+# bytes: what the allocating model asks for, and how far above its address space a
+# rank's memory limit sits (the rest of a step on cu_bulk needs a few MB)
+SCRATCH_BYTES = 4 * 2**30
+HEADROOM_BYTES = 2**30
+
+
+@contextlib.contextmanager
+def memory_limit(ranks: set[int], headroom: int = HEADROOM_BYTES) -> Iterator[None]:
+    """On ``ranks``, an address-space limit ``headroom`` bytes above what the process
+    maps now (``RLIMIT_AS``), lifted on leaving."""
+    if COMM.rank not in ranks:
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/status") as status:
+        mapped = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize"))
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + headroom, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="needs Linux's RLIMIT_AS and /proc")
+def test_out_of_memory_on_one_rank() -> None:
+    """Every rank asks for 4 GB; the last rank, limited to 1 GB more than it maps,
+    cannot: every rank raises one OutOfMemory that names that rank, what it held and
+    what to change, and the next call is exact again."""
+    pattern = (
+        r"out of memory in its evaluation, holding \d+ owned atoms and \d+ ghosts, "
+        r"\d+ edges \(peak resident memory \d+ MiB\): .*can't allocate memory.*\. Run on "
+        rf"more ranks, with a smaller skin, or in float32 .*\[rank {LAST}\]$"
+    )
+    model = Faulty("allocate", set(range(COMM.size)))
+    with memory_limit({LAST}):
+        message = _fail_then_recover(model, OutOfMemory, pattern)
+    assert issubclass(OutOfMemory, MemoryError) and str(SCRATCH_BYTES) in message
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="needs Linux's RLIMIT_AS and /proc")
+def test_out_of_memory_while_listing_edges() -> None:
+    """108,000 Cu atoms, the last rank limited to 16 MB more than it maps: its
+    neighbour list (tens of MB) cannot be allocated at the rebuild, and every rank
+    raises the same OutOfMemory naming it, before any rank evaluates."""
+    warm = cu_bulk()  # the kernels compiled before the limit
+    warm.calc = ShardedCalculator(EMT())
+    warm.get_forces()
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(30)
+    atoms.calc = ShardedCalculator(EMT())
+    pattern = (
+        r"out of memory listing its edges, holding \d+ owned atoms and \d+ ghosts "
+        r"\(peak resident memory \d+ MiB\): .*(Unable to allocate|can't allocate memory)"
+        rf".*\[rank {LAST}\]$"
+    )
+    with memory_limit({LAST}, headroom=16 * 2**20), pytest.raises(OutOfMemory, match=pattern):
+        atoms.get_forces()
 
 
 def test_exception_that_cannot_be_recreated() -> None:
