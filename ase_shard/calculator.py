@@ -613,13 +613,13 @@ class ShardedCalculator(Calculator):
         says what this rank held (its atoms, ghosts and, once listed, edges)."""
         if not is_out_of_memory(error):
             return error
-        rows = self.layout.state.rows
-        edges = None
+        state = self.layout.state
+        owned = ghosts = edges = None
+        if state is not None:
+            owned, ghosts = state.rows.n_owned, state.rows.n_nodes - state.rows.n_owned
         if self._block is not None:
             edges = sum(int(block.centre.shape[0]) for block in self._term_blocks())
-        return out_of_memory(
-            error, RankShare(rows.n_owned, rows.n_nodes - rows.n_owned, edges), where
-        )
+        return out_of_memory(error, where, RankShare(owned, ghosts, edges))
 
     def _term_blocks(self) -> list[LocalBlock]:
         """The block of each term (of a ``Sum``: one per term), in the terms' order."""

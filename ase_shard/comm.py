@@ -22,6 +22,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from ase_shard.memory import OutOfMemory, is_out_of_memory, out_of_memory
+
 # Open MPI refuses to start ranks as root without these (containers, CI runners).
 ALLOW_RUN_AS_ROOT = {
     name: "1"
@@ -236,6 +238,8 @@ class Comm:
         try:
             return own(), None
         except Exception as exc:  # e.g. out of memory on one rank: no rank may wait alone
+            if is_out_of_memory(exc) and not isinstance(exc, OutOfMemory):
+                exc = out_of_memory(exc, "in a collective step")
             return None, Failure.of(exc, self.rank)
 
     def _raise_failures(self, failures: Sequence[Failure | None]) -> None:

@@ -3,9 +3,10 @@
 A rank that cannot allocate (numpy's ``MemoryError``, torch's
 ``OutOfMemoryError`` on a GPU, or on the host its ``RuntimeError`` from the
 CPU allocator) raises :class:`OutOfMemory` instead, with what the rank held
-and what to change; the calculator's vote then raises it on every rank
-(:meth:`ase_shard.comm.Comm.agree`), so no rank waits for one that died and
-no integrator goes on past the failed step.
+and what to change; the calculator's votes then raise it on every rank
+(:meth:`ase_shard.comm.Comm.agree` and the evaluation's status vote), so no
+rank waits for one that failed and no integrator goes on past the failed
+step. Imports no torch (``ase_shard.comm`` uses it).
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ from __future__ import annotations
 import resource
 import sys
 from dataclasses import dataclass
-
-import torch
 
 # what torch's CPU allocator says when malloc fails (it raises a plain RuntimeError)
 _CPU_ALLOCATOR_FAILURE = "DefaultCPUAllocator: can't allocate memory"
@@ -26,31 +25,42 @@ class OutOfMemory(MemoryError):
 
 @dataclass(frozen=True)
 class RankShare:
-    """What one rank held when it ran out of memory (``edges`` ``None``: not listed yet)."""
+    """What one rank held when it ran out of memory (``None``: not decided or listed yet)."""
 
-    owned: int
-    ghosts: int
+    owned: int | None
+    ghosts: int | None
     edges: int | None
 
 
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether ``error`` is an allocation failure, on the host or a GPU."""
-    if isinstance(error, (MemoryError, torch.OutOfMemoryError)):
+    if isinstance(error, MemoryError):
+        return True
+    torch = sys.modules.get("torch")  # not imported: no torch error to look for
+    if torch is not None and isinstance(error, torch.OutOfMemoryError):
         return True
     return isinstance(error, RuntimeError) and _CPU_ALLOCATOR_FAILURE in str(error)
 
 
-def out_of_memory(error: BaseException, share: RankShare, where: str) -> OutOfMemory:
-    """The :class:`OutOfMemory` for ``error`` on a rank holding ``share`` (the rank
-    is added by the vote that raises it on every rank)."""
-    held = f"{share.owned} owned atoms and {share.ghosts} ghosts"
-    if share.edges is not None:
-        held += f", {share.edges} edges"
-    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+def out_of_memory(error: BaseException, where: str, share: RankShare | None = None) -> OutOfMemory:
+    """The :class:`OutOfMemory` for ``error`` raised ``where`` (e.g. "in its
+    evaluation") on a rank holding ``share``; the vote that raises it on every rank
+    adds the rank."""
+    held = ""
+    if share is not None:
+        held = (
+            ", with no share of the atoms yet"
+            if share.owned is None
+            else f", holding {share.owned} owned atoms and {share.ghosts} ghosts"
+        )
+        if share.edges is not None:
+            held += f", {share.edges} edges"
+    text = str(error).strip()
+    first_line = text.splitlines()[0] if text else type(error).__name__
     return OutOfMemory(
-        f"out of memory {where}, holding {held} (peak resident memory "
-        f"{peak_memory() / 2**20:.0f} MiB): {first_line}. Run on more ranks, with a "
-        "smaller skin, or in float32 (ShardedCalculator(dtype=torch.float32))"
+        f"out of memory {where}{held} (peak resident memory {peak_memory() / 2**20:.0f} "
+        f"MiB): {first_line}. Run on more ranks, with a smaller skin, or in float32 "
+        "(ShardedCalculator(dtype=torch.float32))"
     )
 
 

@@ -42,8 +42,6 @@ RTOL = 1e-10
 LAST = COMM.size - 1
 
 
-
-
 # -- 1, 2: the model fails or returns non-finite numbers on some ranks ----------------
 
 
@@ -184,21 +182,35 @@ def test_out_of_memory_on_one_rank() -> None:
 
 @pytest.mark.skipif(sys.platform != "linux", reason="needs Linux's RLIMIT_AS and /proc")
 def test_out_of_memory_while_listing_edges() -> None:
-    """108,000 Cu atoms, the last rank limited to 16 MB more than it maps: its
-    neighbour list (tens of MB) cannot be allocated at the rebuild, and every rank
-    raises the same OutOfMemory naming it, before any rank evaluates."""
-    warm = cu_bulk()  # the kernels compiled before the limit
-    warm.calc = ShardedCalculator(EMT())
-    warm.get_forces()
-    atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(30)
-    atoms.calc = ShardedCalculator(EMT())
+    """864 Ar atoms with a 50 Å cutoff (12 million edges, hundreds of MB), every
+    rank limited to 64 MB more than it maps: a rank cannot list its edges at the
+    rebuild (which ones depends on their ghosts), and every rank raises the same
+    OutOfMemory, naming the first that failed, before any evaluates."""
+    atoms = bulk("Ar", "fcc", a=5.26, cubic=True).repeat(6)
+    atoms.calc = ShardedCalculator(LennardJones(sigma=3.4, epsilon=0.0104, rc=50.0))
     pattern = (
         r"out of memory listing its edges, holding \d+ owned atoms and \d+ ghosts "
         r"\(peak resident memory \d+ MiB\): .*(Unable to allocate|can't allocate memory)"
-        rf".*\[rank {LAST}\]$"
+        r".*\[rank \d+(; \d+ more rank\(s\) failed)?\]$"
     )
-    with memory_limit({LAST}, headroom=16 * 2**20), pytest.raises(OutOfMemory, match=pattern):
-        atoms.get_forces()
+    with memory_limit(set(range(COMM.size)), headroom=64 * 2**20):
+        with pytest.raises(OutOfMemory, match=pattern) as caught:
+            atoms.get_forces()
+    assert len(set(COMM.allgather(str(caught.value)))) == 1
+
+
+def test_out_of_memory_in_a_vote() -> None:
+    """An allocation that fails inside any of the calculator's votes (here numpy's
+    refusal of 8 EiB on the last rank) is an OutOfMemory on every rank."""
+    from ase_shard.comm import Comm
+
+    def own() -> int:
+        return np.empty(2**60, dtype=np.uint8).size if COMM.rank == LAST else 0
+
+    with pytest.raises(
+        OutOfMemory, match=rf"out of memory in a collective step .*\[rank {LAST}\]$"
+    ):
+        Comm().agree(own)
 
 
 def test_exception_that_cannot_be_recreated() -> None:
