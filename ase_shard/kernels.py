@@ -91,8 +91,9 @@ def pair_forces(kind: int, params: np.ndarray, edges: EdgeList, out: np.ndarray)
     """
     split = edges.halo is not None
     return _pair_forces(
-        kind, params, edges.cutoff**2, *_arrays(edges), edges.n_owned, split, out
-    )
+        kind, params, edges.cutoff**2, *_arrays(edges), edges.n_owned, split,
+        edges.per_node_virials, out,
+    )  # fmt: skip
 
 
 def emt_forces(
@@ -207,11 +208,20 @@ def _pair(kind, params, r2):  # pragma: no cover - compiled
 
 @numba.njit(cache=True, error_model="numpy")
 def _pair_forces(  # pragma: no cover - compiled
-    kind, params, cutoff2, positions, centre, neighbour, image, offsets, n_owned, split, out
-):
+    kind, params, cutoff2, positions, centre, neighbour, image, offsets, n_owned, split,
+    per_node_virials, out,
+):  # fmt: skip
+    """Each listed pair's energy, forces and virial (see :func:`pair_forces`).
+
+    Without ``per_node_virials`` the pairs' virials are summed in registers and
+    put in node 0's columns, as :func:`_emt_pair_forces` does: twelve memory
+    updates a pair fewer (11% of a 32,000-atom Lennard-Jones evaluation here).
+    """
     closest = np.inf
+    n_nodes = positions.shape[0]
     # one node's sums together, as in EMT; column 10: the energy's rounding error
-    rows = np.zeros((positions.shape[0], 11))
+    rows = np.zeros((n_nodes, 11))
+    vxx = vyy = vzz = vyz = vxz = vxy = 0.0  # the virial, when not per node
     for e in range(centre.shape[0]):
         i, j = centre[e], neighbour[e]
         ends = _ends(i, j, n_owned, split)
@@ -225,11 +235,39 @@ def _pair_forces(  # pragma: no cover - compiled
         pair, dpair = _pair(kind, params, r2)
         # each end's share: half the energy, the force -+ dE/dd = -+ 2 pair'(r2) d
         # and half of the virial d ⊗ dE/dd
-        _add_pair_end(rows, i, 0.5 * pair, 2.0 * dpair, dpair, dx, dy, dz)
+        if per_node_virials:
+            _add_pair_end(rows, i, 0.5 * pair, 2.0 * dpair, dpair, dx, dy, dz)
+            if ends == 2:
+                _add_pair_end(rows, j, 0.5 * pair, -2.0 * dpair, dpair, dx, dy, dz)
+            continue
+        _add_pair_energy_force(rows, i, 0.5 * pair, 2.0 * dpair, dx, dy, dz)
         if ends == 2:
-            _add_pair_end(rows, j, 0.5 * pair, -2.0 * dpair, dpair, dx, dy, dz)
+            _add_pair_energy_force(rows, j, 0.5 * pair, -2.0 * dpair, dx, dy, dz)
+            dpair *= 2.0
+        vxx += dpair * dx * dx
+        vyy += dpair * dy * dy
+        vzz += dpair * dz * dz
+        vyz += dpair * dy * dz
+        vxz += dpair * dx * dz
+        vxy += dpair * dx * dy
+    if not per_node_virials and n_nodes > 0:
+        rows[0, 4] += vxx
+        rows[0, 5] += vyy
+        rows[0, 6] += vzz
+        rows[0, 7] += vyz
+        rows[0, 8] += vxz
+        rows[0, 9] += vxy
     _add_node_sums(out, rows)
     return closest
+
+
+@numba.njit(cache=True, error_model="numpy", inline="always")
+def _add_pair_energy_force(rows, node, energy, force, dx, dy, dz):  # pragma: no cover
+    """One end's energy (with its rounding error into column 10) and force ``force d``."""
+    rows[node, 0], rows[node, 10] = compensated_step(rows[node, 0], rows[node, 10], energy)
+    rows[node, 1] += force * dx
+    rows[node, 2] += force * dy
+    rows[node, 3] += force * dz
 
 
 @numba.njit(cache=True, error_model="numpy", inline="always")
@@ -247,14 +285,8 @@ def _add_node_sums(out, rows):  # pragma: no cover - compiled
 
 @numba.njit(cache=True, error_model="numpy", inline="always")
 def _add_pair_end(rows, node, energy, force, virial, dx, dy, dz):  # pragma: no cover
-    """One end's energy, force ``force d`` and virial ``virial d ⊗ d`` into its sums.
-
-    The energy is added with its rounding error into column 10.
-    """
-    rows[node, 0], rows[node, 10] = compensated_step(rows[node, 0], rows[node, 10], energy)
-    rows[node, 1] += force * dx
-    rows[node, 2] += force * dy
-    rows[node, 3] += force * dz
+    """One end's energy, force ``force d`` and virial ``virial d ⊗ d`` into its sums."""
+    _add_pair_energy_force(rows, node, energy, force, dx, dy, dz)
     _add_virial(rows, node, virial, dx, dy, dz)
 
 
