@@ -255,6 +255,13 @@ def add_md(subparsers: argparse._SubParsersAction) -> None:
     )
     md.add_argument("--ensemble", choices=ENSEMBLES, default="nve", help="default nve")
     md.add_argument("--steps", type=NON_NEGATIVE_INT, default=100, help="MD steps (default 100)")
+    md.add_argument(
+        "--upto",
+        action="store_true",
+        help="--steps is the step to end at, counted from the start of the whole run (as "
+        "LAMMPS's run N upto): a --restart runs the steps that remain, and exits 0 at once "
+        "when none do, so that a job script resubmitted with the same command finishes",
+    )
     md.add_argument("--timestep", type=POSITIVE, default=2.0, help="fs (default 2)")
     md.add_argument(
         "--temperature",

@@ -235,6 +235,14 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
     else:
         (atoms, defaults, label), start = load_system(args), Start()
         spec = spec or resolve_model(defaults.model)
+    # the steps this command runs: with --upto, those left before step --steps
+    steps = max(args.steps - start.step, 0) if args.upto else args.steps
+    if args.upto and steps == 0:
+        parprint(
+            f"ase-shard md: {label}: step {args.steps} already reached (--upto), nothing to run",
+            flush=True,
+        )
+        return 0
     if coulomb is not None and not atoms.get_initial_charges().any():
         raise CLIError(
             f"--coulomb {coulomb}: {label} holds no charges (its initial charges are all "
@@ -272,15 +280,15 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
         f"ase-shard md: {label}, {atoms.get_global_number_of_atoms()} atoms, {spec.label} "
         f"({type(calc.model).__name__}) on {world.size} rank(s) ({calc.device}, {dtype}"
         f"{', distributed atoms' if args.distributed else ''}), {args.ensemble}, "
-        f"{args.steps} x {args.timestep:g} fs",
+        f"{steps} x {args.timestep:g} fs",
         flush=True,
     )
     clock = partial(_time_fs, start=start, timestep=args.timestep)
     progress = None
     if world.rank == 0 and not args.no_progress:
-        progress = Progress(args.steps, sys.stderr, live=sys.stderr.isatty())
+        progress = Progress(steps, sys.stderr, live=sys.stderr.isatty())
     tracker = EnergyTracker(atoms, dyn, progress, start.step)
-    guard = Guard(atoms, dyn, reference, args.steps + start.step)
+    guard = Guard(atoms, dyn, reference, steps + start.step)
     with contextlib.ExitStack() as stack:
         stop = stack.enter_context(StopSignals())
         if progress is not None:
@@ -302,7 +310,7 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
             tracker()
         comm = Comm()
         try:
-            for _ in dyn.irun(args.steps):
+            for _ in dyn.irun(steps):
                 if comm.any(stop.received is not None):
                     break
         except Unstable as exc:
@@ -310,7 +318,7 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
             parprint(f"ase-shard md: stopped: {exc}", file=sys.stderr, flush=True)
             return EXIT_UNSTABLE
         end = time.perf_counter()
-        interrupted = dyn.nsteps < start.step + args.steps
+        interrupted = dyn.nsteps < start.step + steps
         if interrupted and writer is not None and dyn.nsteps % args.interval:
             writer.write(atoms, dyn.nsteps, clock(dyn.nsteps))  # the step it stopped at
     done = dyn.nsteps - start.step
@@ -318,7 +326,7 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
     print_summary(atoms, done, timing, calc.rebuilds, tracker, args.ensemble)
     if interrupted:
         parprint(
-            f"ase-shard md: interrupted at step {dyn.nsteps} of {start.step + args.steps}",
+            f"ase-shard md: interrupted at step {dyn.nsteps} of {start.step + steps}",
             file=sys.stderr,
             flush=True,
         )

@@ -112,6 +112,27 @@ def test_restart_continues_as_one_run(tmp_path: Path) -> None:
         np.testing.assert_array_equal(a.cell.array, b.cell.array)
 
 
+def test_upto_lets_a_resubmitted_job_finish(tmp_path: Path, capsys) -> None:
+    """--upto: the same --restart command, run twice, ends at step --steps (the second
+    run exits at once), and the frames equal one uninterrupted run's."""
+    whole, split = tmp_path / "whole.traj", tmp_path / "split.traj"
+    argv = [*BASE, "--interval", "5"]
+    assert main([*argv, "--steps", "20", "--trajectory", str(whole)]) == 0
+    assert main([*argv, "--steps", "10", "--trajectory", str(split)]) == 0  # killed at 10
+    resubmitted = ["md", "--restart", str(split), "--steps", "20", "--upto", "--interval", "5"]
+    resubmitted.append("--no-progress")
+    capsys.readouterr()
+    assert main(resubmitted) == 0
+    assert "10 x 2 fs" in capsys.readouterr().out  # the 10 steps left, not 20
+    assert main(resubmitted) == 0
+    assert "step 20 already reached (--upto), nothing to run" in capsys.readouterr().out
+    one, two = read(whole, ":"), read(split, ":")
+    assert [f.info["md_step"] for f in two] == [0, 5, 10, 15, 20]
+    for a, b in zip(one, two, strict=True):
+        np.testing.assert_allclose(a.positions, b.positions, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(a.get_momenta(), b.get_momenta(), rtol=0, atol=1e-12)
+
+
 def test_restart_needs_a_step(tmp_path: Path, capsys) -> None:
     path = tmp_path / "plain.traj"
     write(path, fcc111("Cu", (2, 2, 3), vacuum=5.0))
