@@ -244,21 +244,39 @@ def _pair_forces(  # pragma: no cover - compiled
         if ends == 2:
             _add_pair_energy_force(rows, j, 0.5 * pair, -2.0 * dpair, dx, dy, dz)
             dpair *= 2.0
-        vxx += dpair * dx * dx
-        vyy += dpair * dy * dy
-        vzz += dpair * dz * dz
-        vyz += dpair * dy * dz
-        vxz += dpair * dx * dz
-        vxy += dpair * dx * dy
-    if not per_node_virials and n_nodes > 0:
-        rows[0, 4] += vxx
-        rows[0, 5] += vyy
-        rows[0, 6] += vzz
-        rows[0, 7] += vyz
-        rows[0, 8] += vxz
-        rows[0, 9] += vxy
+        vxx, vyy, vzz, vyz, vxz, vxy = _virial_step(
+            vxx, vyy, vzz, vyz, vxz, vxy, dpair, dx, dy, dz
+        )
+    if not per_node_virials:
+        _add_total_virial(rows, vxx, vyy, vzz, vyz, vxz, vxy)
     _add_node_sums(out, rows)
     return closest
+
+
+@numba.njit(cache=True, error_model="numpy", inline="always")
+def _virial_step(vxx, vyy, vzz, vyz, vxz, vxy, c, dx, dy, dz):  # pragma: no cover
+    """A virial summed in registers (Voigt), plus ``c d ⊗ d``."""
+    return (
+        vxx + c * dx * dx,
+        vyy + c * dy * dy,
+        vzz + c * dz * dz,
+        vyz + c * dy * dz,
+        vxz + c * dx * dz,
+        vxy + c * dx * dy,
+    )
+
+
+@numba.njit(cache=True, error_model="numpy", inline="always")
+def _add_total_virial(rows, vxx, vyy, vzz, vyz, vxz, vxy):  # pragma: no cover
+    """A virial summed in registers into node 0's columns (none without nodes)."""
+    if rows.shape[0] == 0:
+        return
+    rows[0, 4] += vxx
+    rows[0, 5] += vyy
+    rows[0, 6] += vzz
+    rows[0, 7] += vyz
+    rows[0, 8] += vxz
+    rows[0, 9] += vxy
 
 
 @numba.njit(cache=True, error_model="numpy", inline="always")
@@ -451,17 +469,9 @@ def _emt_pair_forces(  # pragma: no cover - compiled
             _add_virial(rows, i, 0.5 * c, dx, dy, dz)
             _add_virial(rows, j, 0.5 * c, dx, dy, dz)
         else:
-            vxx += c * dx * dx
-            vyy += c * dy * dy
-            vzz += c * dz * dz
-            vyz += c * dy * dz
-            vxz += c * dx * dz
-            vxy += c * dx * dy
-    if not per_node_virials and n_nodes > 0:
-        rows[0, 4] += vxx
-        rows[0, 5] += vyy
-        rows[0, 6] += vzz
-        rows[0, 7] += vyz
-        rows[0, 8] += vxz
-        rows[0, 9] += vxy
+            vxx, vyy, vzz, vyz, vxz, vxy = _virial_step(
+                vxx, vyy, vzz, vyz, vxz, vxy, c, dx, dy, dz
+            )
+    if not per_node_virials:
+        _add_total_virial(rows, vxx, vyy, vzz, vyz, vxz, vxy)
     _add_node_sums(out, rows)  # no energies here: their row is zero
