@@ -45,6 +45,7 @@ from ase_shard.graph import (
 )
 from ase_shard.inputs import ModelInputs, unpack
 from ase_shard.layouts import (
+    Balance,
     DecompositionView,
     DistributedLayout,
     Layout,
@@ -272,6 +273,20 @@ class ShardedCalculator(Calculator):
         if state is None or state.counts is None:
             return None
         return [tuple(int(n) for n in counts[:3]) for counts in state.counts]
+
+    @property
+    def balance(self) -> Balance | None:
+        """Each rank's share of the work at the last rebuild (every rank; ``None``
+        before the first): owned atoms, ghost atoms and listed edges."""
+        state = self.layout.state
+        if state is None or state.counts is None:
+            return None
+        counts = state.counts
+        return Balance(
+            owned=tuple(int(n) for n in counts[:, 1]),
+            ghosts=tuple(int(n) for n in counts[:, 2] - counts[:, 1]),
+            edges=tuple(int(n) for n in counts[:, 4]),
+        )
 
     @property
     def decomposition(self) -> DecompositionView | None:
@@ -502,7 +517,14 @@ class ShardedCalculator(Calculator):
             except Exception as exc:
                 raise self._memory_failure(exc, "listing its edges") from exc
             planned = state.rows
-            counts = (len(planned.ids), planned.n_owned, planned.n_nodes, len(planned.send_index))
+            edges = sum(int(block.centre.shape[0]) for block in self._term_blocks())
+            counts = (
+                len(planned.ids),
+                planned.n_owned,
+                planned.n_nodes,
+                len(planned.send_index),
+                edges,
+            )
             return counts, [block.needed() for block in self._term_blocks()]
 
         views = self.comm.share(own_block)

@@ -323,7 +323,7 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
             writer.write(atoms, dyn.nsteps, clock(dyn.nsteps))  # the step it stopped at
     done = dyn.nsteps - start.step
     timing = Timing(wall=end - begin, first_call=tracker.first_call - begin)
-    print_summary(atoms, done, timing, calc.rebuilds, tracker, args.ensemble)
+    print_summary(atoms, done, timing, calc, tracker, args.ensemble)
     if interrupted:
         parprint(
             f"ase-shard md: interrupted at step {dyn.nsteps} of {start.step + steps}",
@@ -970,6 +970,27 @@ class Timing:
         return self.wall - self.first_call
 
 
+def balance_lines(calc: ShardedCalculator) -> list[str]:
+    """The summary's load-balance lines (collective): the edges each rank listed at the
+    last rebuild, and each rank's CPU seconds in the calculator with MPI excluded (what
+    it computed itself), each as min / mean / max and max over mean."""
+    work = np.array(Comm().allgather(sum(calc.timer.cpu.values())))
+    lines = []
+    balance = calc.balance
+    if balance is not None:
+        edges = np.array(balance.edges)
+        lines.append(
+            f"  edges/rank     {edges.min()} / {edges.mean():.0f} / {edges.max()} "
+            f"(min / mean / max; max / mean {balance.imbalance:.3f})"
+        )
+    ratio = work.max() / work.mean() if work.mean() > 0 else 1.0
+    lines.append(
+        f"  work/rank      {work.min():.2f} / {work.mean():.2f} / {work.max():.2f} s of CPU "
+        f"outside MPI (max / mean {ratio:.3f})"
+    )
+    return lines
+
+
 def memory_line(peaks: list[int]) -> str:
     """Per-rank bytes as the summary prints them: min, mean and max in MiB."""
     mib = np.array(peaks, dtype=float) / 2**20
@@ -977,13 +998,19 @@ def memory_line(peaks: list[int]) -> str:
 
 
 def print_summary(
-    atoms: Atoms, steps: int, timing: Timing, rebuilds: int, tracker: EnergyTracker, ensemble: str
+    atoms: Atoms,
+    steps: int,
+    timing: Timing,
+    calc: ShardedCalculator,
+    tracker: EnergyTracker,
+    ensemble: str,
 ) -> None:
     """Rank 0: throughput (counted from the end of the first force call, as the
-    progress), rebuilds, each rank's peak resident memory (and GPU memory) as min,
-    mean and max, then for NVE the total-energy drift per atom and for the
-    thermostats the temperature's mean and standard deviation; final T. Collective:
-    every rank calls it."""
+    progress), rebuilds, the load balance (edges per rank at the last rebuild, and
+    each rank's CPU time in the calculator outside MPI), each rank's peak resident
+    memory (and GPU memory) as min, mean and max, then for NVE the total-energy
+    drift per atom and for the thermostats the temperature's mean and standard
+    deviation; final T. Collective: every rank calls it."""
     n = atoms.get_global_number_of_atoms()
     rate = steps / timing.steps_time if timing.steps_time > 0 else float("nan")
     lines = [
@@ -995,7 +1022,8 @@ def print_summary(
         "force call",
         f"  steps/s        {rate:.3f} after the first force call",
         f"  atom-steps/s   {rate * n:.4g} after the first force call",
-        f"  rebuilds       {rebuilds}",
+        f"  rebuilds       {calc.rebuilds}",
+        *balance_lines(calc),
         f"  peak memory    {memory_line(Comm().allgather(peak_memory()))}",
     ]
     if torch.cuda.is_initialized():

@@ -270,6 +270,19 @@ def test_md_under_mpirun_two_ranks(launches: dict[str, Future]) -> None:
     )
     low, mean, high = (int(value) for value in peaks.groups())
     assert 100 < low <= mean <= high < 10 * 1024
+    # the load balance: edges per rank at the last rebuild, CPU outside MPI per rank
+    edges = re.fullmatch(
+        r"(\d+) / (\d+) / (\d+) \(min / mean / max; max / mean ([\d.]+)\)",
+        summary_field(done.stdout, "edges/rank"),
+    )
+    low, mean, high, ratio = (float(value) for value in edges.groups())
+    assert 0 < low <= mean <= high and ratio == pytest.approx(high / mean, abs=2e-3)
+    work = re.fullmatch(
+        r"([\d.]+) / ([\d.]+) / ([\d.]+) s of CPU outside MPI \(max / mean ([\d.]+)\)",
+        summary_field(done.stdout, "work/rank"),
+    )
+    low, mean, high, ratio = (float(value) for value in work.groups())
+    assert 0 < low <= mean <= high and ratio >= 1.0
 
 
 def test_overlapping_atoms_under_mpirun_report_once(launches: dict[str, Future]) -> None:

@@ -193,6 +193,34 @@ class DecompositionView:
     ghosts: dict[int, Ghosts]
 
 
+@dataclass(frozen=True)
+class Balance:
+    """Each rank's share of the work at the last rebuild (``calc.balance``).
+
+    Attributes
+    ----------
+    owned : tuple of int
+        Atoms each rank owns.
+    ghosts : tuple of int
+        Atoms of other ranks (or periodic images) each rank also evaluates.
+    edges : tuple of int
+        Edges each rank's blocks list (pairs within cutoff + skin; of a
+        ``Sum``, every term's): a pair potential's or a message-passing model's
+        work grows with them.
+    """
+
+    owned: tuple[int, ...]
+    ghosts: tuple[int, ...]
+    edges: tuple[int, ...]
+
+    @property
+    def imbalance(self) -> float:
+        """Most edges on one rank over the mean (1 when balanced; as LAMMPS's
+        ``%imbalance``, ``100 (imbalance - 1)``): every step waits for the busiest."""
+        mean = sum(self.edges) / len(self.edges)
+        return max(self.edges) / mean if mean > 0 else 1.0
+
+
 class Layout(ABC):
     """Where the atoms live, and how a rank's rows and results travel.
 
