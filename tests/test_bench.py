@@ -238,6 +238,21 @@ def test_two_ranks(launched) -> None:
     assert done.stdout.count("ase-shard bench: cu-bulk") == 1  # the summary, rank 0 only
     report = json.loads(json_path.read_text())
     check_report(report, 2, 108, {"bare", "sharded", "sharded_1"})
+    # the imbalance per phase: the busiest rank's CPU over the mean, from the report
+    for kind in ("reuse", "rebuild"):
+        cpu = report["results"]["sharded"][kind]["breakdown_cpu"]
+        line = next(
+            line
+            for line in done.stdout.splitlines()
+            if line.startswith(f"    sharded, 2 ranks, {kind}: ") and "all phases" in line
+        )
+        printed = line.split(": ", 1)[1].split(" (")[0].split()
+        for phase, value in zip(PHASES, printed, strict=True):
+            spent = np.asarray(cpu[phase])
+            if spent.mean() == 0:
+                assert value == "-"
+            else:
+                assert 1.0 <= float(value) == pytest.approx(spent.max() / spent.mean(), abs=6e-3)
 
 
 def check_framework(report: dict, ranks: int, model: str) -> None:

@@ -139,7 +139,36 @@ def format_summary(report: dict) -> str:
         for label, phases, step in breakdown_rows(report, field):
             values = " ".join(_ms(phases[phase]) for phase in PHASES)
             lines.append(f"    {label}: {values} (step {_ms(step)})")
+    lines += _imbalance_lines(report)
     return "\n".join(lines)
+
+
+def imbalance(per_rank: dict[str, list[float]]) -> tuple[dict[str, float | None], float | None]:
+    """Each phase's busiest rank over the mean of the ranks (``None`` where no rank spent
+    time), and the same of the phases' sum: ``per_rank`` maps a phase to its seconds per
+    rank (a breakdown)."""
+    ratios = {}
+    for phase in PHASES:
+        values = np.asarray(per_rank[phase])
+        ratios[phase] = float(values.max() / values.mean()) if values.mean() > 0 else None
+    totals = np.sum([per_rank[phase] for phase in PHASES], axis=0)
+    return ratios, float(totals.max() / totals.mean()) if totals.mean() > 0 else None
+
+
+def _imbalance_lines(report: dict) -> list[str]:
+    """The ``P``-rank calculator's load imbalance per phase and kind of step (CPU time,
+    MPI excluded: waiting for the busiest rank is not work)."""
+    if report["ranks"] < 2:
+        return []
+    lines = ["", "  imbalance, busiest rank / mean of CPU per phase: " + " ".join(PHASES)]
+    for kind in KINDS:
+        ratios, total = imbalance(report["results"]["sharded"][kind]["breakdown_cpu"])
+        values = " ".join("-" if ratios[p] is None else f"{ratios[p]:.2f}" for p in PHASES)
+        lines.append(
+            f"    {_label('sharded', report['ranks'])}, {kind}: {values} "
+            f"(all phases {'-' if total is None else f'{total:.2f}'})"
+        )
+    return lines
 
 
 def _step_table(report: dict) -> list[str]:
