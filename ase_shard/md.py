@@ -38,7 +38,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TextIO
@@ -64,6 +64,7 @@ from ase.parallel import parprint, world
 from ase_shard.calculator import ShardedCalculator
 from ase_shard.comm import Comm
 from ase_shard.distributed import GLOBAL_ID, DistributedAtoms, distribute
+from ase_shard.layouts.base import max_over_mean
 from ase_shard.memory import peak_memory
 from ase_shard.models import EMT, LennardJones, Morse
 from ase_shard.presets import (
@@ -970,11 +971,10 @@ class Timing:
         return self.wall - self.first_call
 
 
-def balance_lines(calc: ShardedCalculator) -> list[str]:
-    """The summary's load-balance lines (collective): the edges each rank listed at the
-    last rebuild, and each rank's CPU seconds in the calculator with MPI excluded (what
-    it computed itself), each as min / mean / max and max over mean."""
-    work = np.array(Comm().allgather(sum(calc.timer.cpu.values())))
+def balance_lines(calc: ShardedCalculator, work: Sequence[float]) -> list[str]:
+    """The summary's load-balance lines: the edges each rank listed at the last
+    rebuild, and ``work``, each rank's CPU seconds in the calculator with MPI excluded
+    (what it computed itself), each as min / mean / max and max over mean."""
     lines = []
     balance = calc.balance
     if balance is not None:
@@ -983,15 +983,15 @@ def balance_lines(calc: ShardedCalculator) -> list[str]:
             f"  edges/rank     {edges.min()} / {edges.mean():.0f} / {edges.max()} "
             f"(min / mean / max; max / mean {balance.imbalance:.3f})"
         )
-    ratio = work.max() / work.mean() if work.mean() > 0 else 1.0
+    seconds = np.array(work)
     lines.append(
-        f"  work/rank      {work.min():.2f} / {work.mean():.2f} / {work.max():.2f} s of CPU "
-        f"outside MPI (max / mean {ratio:.3f})"
+        f"  work/rank      {seconds.min():.2f} / {seconds.mean():.2f} / {seconds.max():.2f} s "
+        f"of CPU outside MPI (max / mean {max_over_mean(seconds) or 1.0:.3f})"
     )
     return lines
 
 
-def memory_line(peaks: list[int]) -> str:
+def memory_line(peaks: Sequence[int]) -> str:
     """Per-rank bytes as the summary prints them: min, mean and max in MiB."""
     mib = np.array(peaks, dtype=float) / 2**20
     return f"{mib.min():.0f} / {mib.mean():.0f} / {mib.max():.0f} MiB per rank (min / mean / max)"
@@ -1013,6 +1013,10 @@ def print_summary(
     deviation; final T. Collective: every rank calls it."""
     n = atoms.get_global_number_of_atoms()
     rate = steps / timing.steps_time if timing.steps_time > 0 else float("nan")
+    # one allgather: each rank's CPU work in the calculator and peak memory (host, GPU)
+    device_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else None
+    mine = (sum(calc.timer.cpu.values()), peak_memory(), device_peak)
+    work, host_peaks, device_peaks = zip(*Comm().allgather(mine), strict=True)
     lines = [
         "ase-shard md summary",
         f"  atoms          {n}",
@@ -1023,11 +1027,10 @@ def print_summary(
         f"  steps/s        {rate:.3f} after the first force call",
         f"  atom-steps/s   {rate * n:.4g} after the first force call",
         f"  rebuilds       {calc.rebuilds}",
-        *balance_lines(calc),
-        f"  peak memory    {memory_line(Comm().allgather(peak_memory()))}",
+        *balance_lines(calc, work),
+        f"  peak memory    {memory_line(host_peaks)}",
     ]
-    if torch.cuda.is_initialized():
-        device_peaks = Comm().allgather(torch.cuda.max_memory_allocated())
+    if None not in device_peaks:
         lines.append(f"  peak GPU mem.  {memory_line(device_peaks)} (torch's allocations)")
     if ensemble in THERMOSTATS:
         temperatures = np.array(tracker.temperatures)

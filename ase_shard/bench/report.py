@@ -13,6 +13,7 @@ import numpy as np
 
 from ase_shard.bench.framework import FRAMEWORK_BALANCE, FRAMEWORK_PHASES
 from ase_shard.bench.run import KINDS
+from ase_shard.layouts.base import max_over_mean
 from ase_shard.timing import PHASES
 
 # largest relative difference from the bare model that is round-off, per dtype
@@ -143,18 +144,6 @@ def format_summary(report: dict) -> str:
     return "\n".join(lines)
 
 
-def imbalance(per_rank: dict[str, list[float]]) -> tuple[dict[str, float | None], float | None]:
-    """Each phase's busiest rank over the mean of the ranks (``None`` where no rank spent
-    time), and the same of the phases' sum: ``per_rank`` maps a phase to its seconds per
-    rank (a breakdown)."""
-    ratios = {}
-    for phase in PHASES:
-        values = np.asarray(per_rank[phase])
-        ratios[phase] = float(values.max() / values.mean()) if values.mean() > 0 else None
-    totals = np.sum([per_rank[phase] for phase in PHASES], axis=0)
-    return ratios, float(totals.max() / totals.mean()) if totals.mean() > 0 else None
-
-
 def _imbalance_lines(report: dict) -> list[str]:
     """The ``P``-rank calculator's load imbalance per phase and kind of step (CPU time,
     MPI excluded: waiting for the busiest rank is not work)."""
@@ -162,13 +151,19 @@ def _imbalance_lines(report: dict) -> list[str]:
         return []
     lines = ["", "  imbalance, busiest rank / mean of CPU per phase: " + " ".join(PHASES)]
     for kind in KINDS:
-        ratios, total = imbalance(report["results"]["sharded"][kind]["breakdown_cpu"])
-        values = " ".join("-" if ratios[p] is None else f"{ratios[p]:.2f}" for p in PHASES)
+        per_rank = report["results"]["sharded"][kind]["breakdown_cpu"]
+        ratios = [max_over_mean(per_rank[phase]) for phase in PHASES]
+        total = max_over_mean(np.sum([per_rank[phase] for phase in PHASES], axis=0))
+        values = " ".join(_ratio(ratio) for ratio in ratios)
         lines.append(
             f"    {_label('sharded', report['ranks'])}, {kind}: {values} "
-            f"(all phases {'-' if total is None else f'{total:.2f}'})"
+            f"(all phases {_ratio(total)})"
         )
     return lines
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _step_table(report: dict) -> list[str]:

@@ -217,8 +217,15 @@ class Balance:
     def imbalance(self) -> float:
         """Most edges on one rank over the mean (1 when balanced; as LAMMPS's
         ``%imbalance``, ``100 (imbalance - 1)``): every step waits for the busiest."""
-        mean = sum(self.edges) / len(self.edges)
-        return max(self.edges) / mean if mean > 0 else 1.0
+        return max_over_mean(self.edges) or 1.0
+
+
+def max_over_mean(values: Sequence[float]) -> float | None:
+    """The largest of the ranks' ``values`` over their mean (1: balanced); ``None``
+    when the mean is 0 (no rank had any)."""
+    values = np.asarray(values, dtype=float)
+    mean = values.mean()
+    return float(values.max() / mean) if mean > 0 else None
 
 
 class Layout(ABC):
