@@ -163,11 +163,11 @@ class SystemFFT:
         incoming = planes * rows[rank] * depth
         received = self.comm.alltoallv_rows(outgoing, rows * planes[rank] * depth, incoming)
         columns = np.empty((rows[rank], depth, int(planes.sum())), dtype=half.dtype)
-        ends = np.cumsum(incoming)
-        for sender, (end, count) in enumerate(zip(ends, incoming, strict=True)):
-            first = int(planes[:sender].sum())
-            part = received[end - count : end].reshape(rows[rank], planes[sender], depth)
-            columns[:, :, first : first + planes[sender]] = part.transpose(0, 2, 1)
+        parts = np.split(received, np.cumsum(incoming)[:-1])
+        bounds = np.concatenate([[0], np.cumsum(planes)])
+        for sender, part in enumerate(parts):
+            shaped = part.reshape(rows[rank], planes[sender], depth)
+            columns[:, :, bounds[sender] : bounds[sender + 1]] = shaped.transpose(0, 2, 1)
         return torch.from_numpy(columns)
 
     def _columns_to_planes(

@@ -401,33 +401,12 @@ class _MeshLattice:
         first, second, last = self.frequencies
         powers = torch.stack([torch.ones_like(last), last, last * last], dim=1)
         reduced = values.reshape(-1, len(last)) @ powers  # (A * B, 3)
-        reduced = reduced.reshape(len(first), len(second), 3)
-        plane = reduced[..., 0]
-        outer = torch.stack(
-            [
-                torch.stack(
-                    [
-                        first.square() @ plane.sum(1),
-                        first @ plane @ second,
-                        first @ reduced[..., 1].sum(1),
-                    ]
-                ),
-                torch.stack(
-                    [
-                        first @ plane @ second,
-                        second.square() @ plane.sum(0),
-                        second @ reduced[..., 1].sum(0),
-                    ]
-                ),
-                torch.stack(
-                    [
-                        first @ reduced[..., 1].sum(1),
-                        second @ reduced[..., 1].sum(0),
-                        reduced[..., 2].sum(),
-                    ]
-                ),
-            ]
-        )
+        plane, lengthwise, squared = reduced.reshape(len(first), len(second), 3).unbind(-1)
+        s_aa, s_bb = first.square() @ plane.sum(1), second.square() @ plane.sum(0)
+        s_ab = first @ plane @ second
+        s_ac, s_bc = first @ lengthwise.sum(1), second @ lengthwise.sum(0)
+        s_cc = squared.sum()
+        outer = torch.stack([s_aa, s_ab, s_ac, s_ab, s_bb, s_bc, s_ac, s_bc, s_cc]).reshape(3, 3)
         return self.reciprocal.T @ outer @ self.reciprocal
 
 
