@@ -517,13 +517,12 @@ class ShardedCalculator(Calculator):
             except Exception as exc:
                 raise self._memory_failure(exc, "listing its edges") from exc
             planned = state.rows
-            edges = sum(int(block.centre.shape[0]) for block in self._term_blocks())
             counts = (
                 len(planned.ids),
                 planned.n_owned,
                 planned.n_nodes,
                 len(planned.send_index),
-                edges,
+                self._listed_edges(),
             )
             return counts, [block.needed() for block in self._term_blocks()]
 
@@ -636,12 +635,15 @@ class ShardedCalculator(Calculator):
         if not is_out_of_memory(error):
             return error
         state = self.layout.state
-        owned = ghosts = edges = None
+        owned = ghosts = None
         if state is not None:
             owned, ghosts = state.rows.n_owned, state.rows.n_nodes - state.rows.n_owned
-        if self._block is not None:
-            edges = sum(int(block.centre.shape[0]) for block in self._term_blocks())
+        edges = None if self._block is None else self._listed_edges()
         return out_of_memory(error, where, RankShare(owned, ghosts, edges))
+
+    def _listed_edges(self) -> int:
+        """The edges this rank's blocks list (of a ``Sum``, every term's)."""
+        return sum(int(block.centre.shape[0]) for block in self._term_blocks())
 
     def _term_blocks(self) -> list[LocalBlock]:
         """The block of each term (of a ``Sum``: one per term), in the terms' order."""
