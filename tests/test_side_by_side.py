@@ -34,7 +34,9 @@ def test_commands_run_together_and_their_outputs_do_not_interleave(tmp_path) -> 
     )
     second = (
         "import pathlib, sys\n"
-        "print('second line 1')\n"
+        # flushed: without PYTHONUNBUFFERED, stdout into a pipe waits in Python's buffer
+        # until exit, after stderr's line
+        "print('second line 1', flush=True)\n"
         f"pathlib.Path({str(flag)!r}).touch()\n"
         "print('second line 2', file=sys.stderr)\n"
     )
