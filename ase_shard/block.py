@@ -329,6 +329,7 @@ class LocalBlock:
         # an energy of absolute positions and the cell: their gradients add to the edges'
         self._uses_positions = uses_positions(model)
         newton_pair = self._direct is not None and takes_pairs_once(model)
+        self._listed_once = newton_pair  # each pair listed on one end only
         if newton_pair:
             self._halo = pair_halo
         types = getattr(model, "atomic_types", None)
@@ -448,6 +449,18 @@ class LocalBlock:
     def needed(self) -> Capacities:
         """Sizes a padded graph needs until the next rebuild (one spare owned node)."""
         return Capacities(self.n_owned + 1, self.n_nodes - self.n_owned, self.centre.shape[0])
+
+    def node_edges(self) -> np.ndarray:
+        """``(n_nodes,)``: the edges listed at each node, the load balance's weights
+        (:mod:`ase_shard.balance`) once the ghosts' are added to their owners'.
+        Those centred on an owned node and, where each pair is listed once (on
+        one of the ranks of its two atoms), those ending at any node: that pair
+        is as much the work of its neighbour as of its centre."""
+        counts = torch.bincount(self.centre, minlength=self.n_nodes)
+        counts[self.n_owned :] = 0  # a ghost centres edges only for its own features
+        if self._listed_once:
+            counts += torch.bincount(self.neighbour, minlength=self.n_nodes)
+        return counts.cpu().numpy()
 
     def pad(self, capacity: Capacities) -> None:
         """Give the compiled model graphs of these sizes from now on."""

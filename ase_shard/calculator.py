@@ -31,6 +31,7 @@ import torch
 from ase import Atoms
 from ase.calculators.calculator import Calculator, all_changes
 
+from ase_shard.balance import Balance
 from ase_shard.block import LocalBlock, SumBlock
 from ase_shard.comm import CALCULATE, CLOSE, Comm, Failure, reraise
 from ase_shard.distributed import DistributedAtoms
@@ -45,7 +46,6 @@ from ase_shard.graph import (
 )
 from ase_shard.inputs import ModelInputs, unpack
 from ase_shard.layouts import (
-    Balance,
     DecompositionView,
     DistributedLayout,
     Layout,
@@ -95,8 +95,17 @@ class ShardedCalculator(Calculator):
     comm : mpi4py communicator, optional
         Default ``MPI.COMM_WORLD`` when mpi4py is loaded, else one rank.
     partition : {"spatial", "contiguous"}
-        ``spatial``: a count-balanced ``px*py*pz`` grid of boxes in frame
-        coordinates. ``contiguous``: blocks of atom indices.
+        ``spatial``: a ``px*py*pz`` grid of boxes in frame coordinates, cut
+        axis by axis so that the boxes share the work (``balance``).
+        ``contiguous``: blocks of atom indices.
+    balance : {"work", "count"}
+        What the ``spatial`` cuts balance. ``work``: each atom weighs the
+        edges listed at it at the last rebuild (plus a node's cost), the cuts
+        are kept between rebuilds and cut again when the busiest rank's work
+        exceeds the mean by 2 % (liquid-vapour, slabs, clusters:
+        :mod:`ase_shard.balance`); until the first rebuild has listed edges,
+        and for bulk, it cuts as ``count`` does. ``count``: every rank owns as
+        many atoms as the others (within one), cut again at every rebuild.
     grid : (int, int, int), optional
         Rank grid for ``spatial``; default: the one with the smallest halo.
     halo : {"layer", "full"}, optional
@@ -153,6 +162,7 @@ class ShardedCalculator(Calculator):
         dtype: torch.dtype | str | None = None,
         comm: Any = None,
         partition: str = "spatial",
+        balance: str = "work",
         grid: Sequence[int] | None = None,
         halo: str | None = None,
         compile: bool | str = False,
@@ -171,6 +181,7 @@ class ShardedCalculator(Calculator):
             dict(
                 skin=skin,
                 partition=partition,
+                balance=balance,
                 grid=grid,
                 halo=halo,
                 compile=compile,
@@ -277,15 +288,18 @@ class ShardedCalculator(Calculator):
     @property
     def balance(self) -> Balance | None:
         """Each rank's share of the work at the last rebuild (every rank; ``None``
-        before the first): owned atoms, ghost atoms and listed edges."""
+        before the first): owned atoms, ghost atoms, listed edges and the times the
+        atoms were cut by their work (``balance="work"``)."""
         state = self.layout.state
         if state is None or state.counts is None:
             return None
         counts = state.counts
+        work_cuts = self.layout.work_cuts
         return Balance(
             owned=tuple(int(n) for n in counts[:, 1]),
             ghosts=tuple(int(n) for n in counts[:, 2] - counts[:, 1]),
             edges=tuple(int(n) for n in counts[:, 4]),
+            rebalances=0 if work_cuts is None else work_cuts.rebalances,
         )
 
     @property
@@ -528,6 +542,11 @@ class ShardedCalculator(Calculator):
 
         views = self.comm.share(own_block)
         state.counts = np.array([view[0] for view in views], dtype=np.int64)
+        if layout.work_cuts is not None:
+            edges = sum(block.node_edges() for block in self._term_blocks())
+            # a pair listed on one rank is the work of its other atom's too
+            owned = self.halo.reverse(edges[None].astype(np.float64))[0]
+            layout.record_work(owned.astype(np.int64))
         if self._compiled is not None:
             # every rank pads to the same sizes, so they (re)compile together
             terms = zip(self._term_blocks(), self._compiled, strict=True)

@@ -70,6 +70,7 @@ from ase_shard.presets import (
 PEERS = ("lammps", "asap3", "torchsim")  # ase_shard.peers.PEERS
 HALOS = ("layer", "full")  # ase_shard.settings.HALOS
 PARTITIONS = ("spatial", "contiguous")  # ase_shard.partition.PARTITIONS
+BALANCES = ("work", "count")  # ase_shard.balance.BALANCES
 DTYPES = ("float64", "float32")
 ENSEMBLES = ("nve", "langevin", "nvt-berendsen", "npt-berendsen")
 
@@ -309,6 +310,12 @@ def _add_calculator_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skin", type=NON_NEGATIVE, default=0.5, help="neighbour skin, Å (0.5)")
     parser.add_argument("--partition", choices=PARTITIONS, default="spatial")
     parser.add_argument(
+        "--balance",
+        choices=BALANCES,
+        default="work",
+        help="what the spatial cuts balance: each atom's edges (work) or atoms (count)",
+    )
+    parser.add_argument(
         "--halo", choices=HALOS, help="ghost scheme (default: layer where the model supports it)"
     )
     parser.add_argument("--device", help="torch device, e.g. cpu, cuda (default: one GPU a rank)")
@@ -477,6 +484,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "calculator": {
             "partition": args.partition,
+            "balance": args.balance,
             "halo": args.halo,
             "device": args.device,
             "compile": args.compile,

@@ -61,10 +61,10 @@ from ase.md.velocitydistribution import Stationary, ZeroRotation, thermalize_mom
 from ase.md.verlet import VelocityVerlet
 from ase.parallel import parprint, world
 
+from ase_shard.balance import max_over_mean
 from ase_shard.calculator import ShardedCalculator
 from ase_shard.comm import Comm
 from ase_shard.distributed import GLOBAL_ID, DistributedAtoms, distribute
-from ase_shard.layouts.base import max_over_mean
 from ase_shard.memory import peak_memory
 from ase_shard.models import EMT, LennardJones, Morse
 from ase_shard.presets import (
@@ -436,12 +436,13 @@ def _built_model(
 
 
 def make_calculator(model: torch.nn.Module, args: argparse.Namespace) -> ShardedCalculator:
-    """``ShardedCalculator`` with the command line's skin, partition, halo, device,
-    dtype and compile options."""
+    """``ShardedCalculator`` with the command line's skin, partition, balance, halo,
+    device, dtype and compile options."""
     return ShardedCalculator(
         model,
         skin=args.skin,
         partition=args.partition,
+        balance=args.balance,
         halo=args.halo,
         device=args.device,
         dtype=args.dtype,
@@ -981,7 +982,8 @@ def balance_lines(calc: ShardedCalculator, work: Sequence[float]) -> list[str]:
         edges = np.array(balance.edges)
         lines.append(
             f"  edges/rank     {edges.min()} / {edges.mean():.0f} / {edges.max()} "
-            f"(min / mean / max; max / mean {balance.imbalance:.3f})"
+            f"(min / mean / max; max / mean {balance.imbalance:.3f}; "
+            f"{balance.rebalances} rebalance(s) by work)"
         )
     seconds = np.array(work)
     lines.append(

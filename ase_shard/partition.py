@@ -132,54 +132,7 @@ def grouped_order(keys: np.ndarray, n_keys: int) -> np.ndarray:
     return np.argsort(keys.astype(np.min_scalar_type(max(n_keys - 1, 0))), kind="stable")
 
 
-def balanced_labels(values: np.ndarray, groups: np.ndarray, parts: int) -> np.ndarray:
-    """Split each group into ``parts`` runs of equal count along ``values``.
-
-    An atom of rank ``r`` among the ``n`` of its group, in the order of
-    ``(value, index)``, gets label ``r * parts // n``. Found by selection
-    (``np.partition``) rather than by sorting: ``O(n)`` per cut.
-    """
-    labels = np.zeros(len(values), dtype=np.int64)
-    if parts == 1 or len(values) == 0:
-        return labels
-    n_groups = int(groups.max()) + 1
-    by_group = grouped_order(groups, n_groups)  # members of each group in index order
-    counts = np.bincount(groups, minlength=n_groups)
-    for members in np.split(by_group, np.cumsum(counts)[:-1]):
-        n = len(members)
-        # the first rank with label j is ceil(j n / parts)
-        cuts = [k for k in ((j * n + parts - 1) // parts for j in range(1, parts)) if k < n]
-        if not cuts:
-            continue
-        group_values = values[members]
-        selected = np.partition(group_values, cuts)
-        mine = np.zeros(n, dtype=np.int64)
-        for k in cuts:
-            value = selected[k]
-            at_or_after = group_values >= value
-            # of the atoms tied at the cut value, the first ones (by index) come before it
-            ties = np.flatnonzero(group_values == value)
-            at_or_after[ties[: k - (n - np.count_nonzero(at_or_after))]] = False
-            mine += at_or_after
-        labels[members] = mine
-    return labels
-
-
-def spatial_owners(coords: FrameCoordinates, grid: tuple[int, int, int]) -> np.ndarray:
-    """Owner rank of each atom on a ``px x py x pz`` grid of count-balanced boxes.
-
-    Axis 0 is cut at quantiles of all atoms; axis 1 at quantiles within each
-    axis-0 slab; axis 2 within each column, so every rank gets ``N/P`` atoms
-    (within one) even for slabs and clusters.
-    """
-    group = np.zeros(len(coords.s), dtype=np.int64)
-    for axis, parts in enumerate(grid):
-        if parts > 1:  # one part leaves the groups as they are
-            group = group * parts + balanced_labels(coords.s[:, axis], group, parts)
-    return group
-
-
-# bins per group and axis of the histograms that place distributed cuts
+# bins per group and axis of the histograms that find where the cuts fall
 CUT_BINS = 1024
 
 
@@ -190,73 +143,160 @@ def bins_of(values: np.ndarray, lo: float, hi: float, n_bins: int = CUT_BINS) ->
     return np.clip(bins, 0, n_bins - 1).astype(np.int64)
 
 
-def balanced_bin_cuts(histograms: np.ndarray, parts: int) -> np.ndarray:
-    """Where to cut each group's histogram into ``parts`` runs of about equal count.
+@dataclass(frozen=True)
+class OverRanks:
+    """The two collectives that place cuts among atoms spread over ranks (this module
+    has no MPI of its own): :data:`EVERY_ATOM_HERE` where one holds every atom.
 
-    Parameters
+    Attributes
     ----------
-    histograms : (G, B) int array
-        Atoms per group and bin.
-    parts : int
-
-    Returns
-    -------
-    (G, parts - 1) int array
-        Cut ``j`` of a group is a bin index: atoms in lower bins get labels
-        ``<= j``. Cuts sit at the bin edge closest to ``j / parts`` of the
-        group's atoms, so every rank computing this from the same (summed)
-        histograms gets the same cuts.
+    sum : callable
+        Element-wise sum of an int64 array over the ranks.
+    concatenate : callable
+        Every rank's rows of a float64 array, concatenated in rank order.
     """
-    cumulative = np.cumsum(histograms, axis=1)
-    below = np.concatenate([np.zeros((len(histograms), 1), np.int64), cumulative], axis=1)
-    targets = cumulative[:, -1:] * np.arange(1, parts) / parts
-    cuts = np.empty((len(histograms), parts - 1), dtype=np.int64)
-    for group, (counts, wanted) in enumerate(zip(below, targets, strict=True)):
-        after = np.clip(np.searchsorted(counts, wanted), 1, len(counts) - 1)
-        # the edge before or at the target, whichever count is closer to it
-        closer = np.abs(counts[after - 1] - wanted) <= np.abs(counts[after] - wanted)
-        cuts[group] = after - closer
-    return cuts
+
+    sum: Callable[[np.ndarray], np.ndarray]
+    concatenate: Callable[[np.ndarray], np.ndarray]
 
 
-def histogram_owners(
+EVERY_ATOM_HERE = OverRanks(sum=lambda a: a, concatenate=lambda a: a)
+
+
+@dataclass(frozen=True)
+class Cuts:
+    """Where a ``px x py x pz`` grid of boxes cuts the atoms, axis by axis.
+
+    Axis 0 is cut once for all atoms; axis 1 within each of axis 0's slabs;
+    axis 2 within each column. Along an axis the atoms are in the order of
+    ``(frame coordinate, atom id)``, so that atoms on one lattice plane can
+    still be split; a cut is the last atom it leaves below.
+
+    Attributes
+    ----------
+    grid : (int, int, int)
+    planes, last_ids : three arrays each
+        ``planes[a]`` and ``last_ids[a]`` are ``(groups, grid[a] - 1)``: for
+        each group formed by the axes before ``a`` (one for axis 0), the frame
+        coordinate (fractional on periodic axes, Å elsewhere) and the id of
+        the last atom below each cut. An atom above cut ``j`` of its group, in
+        that order, goes to a part after ``j``.
+    """
+
+    grid: tuple[int, int, int]
+    planes: tuple[np.ndarray, np.ndarray, np.ndarray]
+    last_ids: tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def owners_at(s: np.ndarray, ids: np.ndarray, cuts: Cuts) -> np.ndarray:
+    """Box (owner rank) of each atom ``ids`` at frame coordinates ``s`` (``(n, 3)``)."""
+    group = np.zeros(len(s), dtype=np.int64)
+    for axis, parts in enumerate(cuts.grid):
+        if parts > 1:
+            above = _above(s[:, axis], ids, cuts.planes[axis][group], cuts.last_ids[axis][group])
+            group = group * parts + above.sum(axis=1)
+    return group
+
+
+def _above(
+    values: np.ndarray, ids: np.ndarray, planes: np.ndarray, last: np.ndarray
+) -> np.ndarray:
+    """``(n, k)``: whether each atom comes after each of its ``k`` cuts in the order of
+    ``(value, id)``."""
+    values, ids = values[:, None], ids[:, None]
+    return (values > planes) | ((values == planes) & (ids > last))
+
+
+def balanced_cuts(
     s: np.ndarray,
+    ids: np.ndarray,
     lo: np.ndarray,
     hi: np.ndarray,
     grid: tuple[int, int, int],
-    sum_over_ranks: Callable[[np.ndarray], np.ndarray],
-) -> np.ndarray:
-    """Owner rank of each of this rank's atoms when every rank holds only some atoms.
+    over_ranks: OverRanks,
+    weights: np.ndarray | None = None,
+) -> Cuts:
+    """Cuts that give every box the same share of the atoms, or of their ``weights``.
 
-    The spatial rule of distributed atoms: a ``px*py*pz`` grid of boxes in
-    frame coordinates, cut axis by axis at the histogram bins that balance
-    the atoms of all ranks (:func:`balanced_bin_cuts`). Every rank computes
-    the same cuts from the same summed histograms, so an atom's owner does
-    not depend on which rank holds it.
+    Along each axis the atoms of a group, in the order of ``(coordinate,
+    id)``, are numbered by the weight before them, ``W``; an atom goes to
+    part ``floor(W parts / total)``, so the parts' weights differ by at most
+    one atom's (by count: ``N / P`` atoms each, within one). The same rule on
+    every rank, with the same result whichever rank holds an atom: a
+    histogram summed over the ranks (:data:`CUT_BINS` bins per group from
+    ``lo`` to ``hi``) finds the bin of each cut, and the atoms of those bins,
+    gathered from every rank, the atom.
 
     Parameters
     ----------
     s : (n, 3) array
         Frame coordinates of this rank's atoms.
+    ids : (n,) int array
+        Their ids (the same atom has the same id on every rank).
     lo, hi : (3,) arrays
         The frame box of every rank's atoms.
     grid : (int, int, int)
-    sum_over_ranks : callable
-        Element-wise sum of an int64 array over the ranks (one collective per
-        cut axis; this module has no MPI of its own).
+    over_ranks : OverRanks
+        Two collectives per cut axis; :data:`EVERY_ATOM_HERE` when ``s`` holds
+        every atom.
+    weights : (n,) int array, optional
+        Each atom's share of the work; default 1 (balance the atoms).
     """
+    weights = np.ones(len(s), dtype=np.int64) if weights is None else weights
     group = np.zeros(len(s), dtype=np.int64)
-    n_groups = 1
+    n_groups, planes, last_ids = 1, [], []
     for axis, parts in enumerate(grid):
         if parts == 1:
+            planes.append(np.zeros((n_groups, 0)))
+            last_ids.append(np.zeros((n_groups, 0), dtype=np.int64))
             continue
-        bins = bins_of(s[:, axis], lo[axis], hi[axis])
-        histograms = np.bincount(group * CUT_BINS + bins, minlength=n_groups * CUT_BINS)
-        histograms = sum_over_ranks(histograms).reshape(n_groups, CUT_BINS)
-        cuts = balanced_bin_cuts(histograms, parts)
-        group = group * parts + (bins[:, None] >= cuts[group]).sum(axis=1)
+        values = s[:, axis]
+        where = group * CUT_BINS + bins_of(values, lo[axis], hi[axis])
+        # float sums of int weights: exact below 2^53
+        histograms = np.bincount(where, weights, n_groups * CUT_BINS).astype(np.int64)
+        histograms = over_ranks.sum(histograms).reshape(n_groups, CUT_BINS)
+        before = np.cumsum(histograms, axis=1) - histograms  # weight in the bins below
+        total = histograms.sum(axis=1)
+        # the last atom below cut j is the last whose weight before it, W, has
+        # W parts < j total: in the last non-empty bin where the bin's first atom has
+        j = np.arange(1, parts)
+        below = (histograms[:, :, None] > 0) & (
+            before[:, :, None] * parts < j[None, None, :] * total[:, None, None]
+        )
+        cut_bins = CUT_BINS - 1 - np.argmax(below[:, ::-1, :], axis=1)  # (groups, parts - 1)
+        wanted = np.zeros(n_groups * CUT_BINS, dtype=bool)
+        wanted[(np.arange(n_groups)[:, None] * CUT_BINS + cut_bins)[below.any(axis=1)]] = True
+        mine = wanted[where]
+        candidates = over_ranks.concatenate(
+            np.column_stack([where[mine], values[mine], ids[mine], weights[mine]]).astype(float)
+        )
+        plane = np.full((n_groups, parts - 1), np.inf)
+        last = np.full((n_groups, parts - 1), np.iinfo(np.int64).max)
+        for g, k in zip(*np.nonzero(below.any(axis=1)), strict=True):
+            key = g * CUT_BINS + cut_bins[g, k]
+            rows = candidates[candidates[:, 0] == key]
+            rows = rows[np.lexsort((rows[:, 2], rows[:, 1]))]
+            weight_before = before[g, cut_bins[g, k]] + np.cumsum(rows[:, 3]) - rows[:, 3]
+            at = np.flatnonzero(weight_before * parts < (k + 1) * total[g])[-1]
+            plane[g, k], last[g, k] = rows[at, 1], int(rows[at, 2])
+        planes.append(plane)
+        last_ids.append(last)
+        group = group * parts + _above(values, ids, plane[group], last[group]).sum(axis=1)
         n_groups *= parts
-    return group
+    return Cuts(tuple(int(p) for p in grid), tuple(planes), tuple(last_ids))
+
+
+def spatial_owners(coords: FrameCoordinates, grid: tuple[int, int, int]) -> np.ndarray:
+    """Owner rank of each atom on a ``px x py x pz`` grid of count-balanced boxes.
+
+    Axis 0 is cut at quantiles of all atoms; axis 1 at quantiles within each
+    axis-0 slab; axis 2 within each column, so every rank gets ``N/P`` atoms
+    (within one) even for slabs and clusters (:func:`balanced_cuts` of every
+    atom, their ids their indices).
+    """
+    s, ids = coords.s, np.arange(len(coords.s))
+    lo, hi = s.min(axis=0, initial=np.inf), s.max(axis=0, initial=-np.inf)
+    return owners_at(s, ids, balanced_cuts(s, ids, lo, hi, grid, EVERY_ATOM_HERE))
 
 
 def contiguous_owners(n_atoms: int, n_ranks: int) -> np.ndarray:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 from ase.parallel import parprint
 
 if TYPE_CHECKING:
@@ -279,11 +280,71 @@ def _ar_liquid(size: int, seed: int) -> Atoms:
     return atoms
 
 
+def _ar_interface(size: int, seed: int) -> Atoms:
+    """The liquid of ``ar-liquid`` as a slab in a box three times as long along z, and a
+    sixth as many atoms again as its vapour in the rest: a liquid-vapour interface."""
+    from ase import Atoms
+
+    atoms = _ar_liquid(size, seed)
+    length = atoms.cell[2, 2]
+    atoms.cell[2, 2] = 3.0 * length
+    gas = _scattered(len(atoms) // 6, atoms.cell, (length + 1.5, 3.0 * length - 1.5), 3.4, seed)
+    return atoms + Atoms("Ar" * len(gas), positions=gas)
+
+
+def _cu_slab_gas(size: int, seed: int) -> Atoms:
+    """An N x N x N Cu(100) slab with 20 Å of vacuum, N^2 / 2 N2 molecules in it."""
+    from ase import Atoms
+    from ase.build import fcc100
+
+    atoms = fcc100("Cu", size=(size, size, size), a=3.61, vacuum=10.0, periodic=True)
+    top = atoms.positions[:, 2].max()
+    # one point per molecule, 4 Å clear of the slab (and its image across the box)
+    centres = _scattered(size * size // 2, atoms.cell, (top + 4.0, top + 16.0), 4.0, seed)
+    axes = np.random.default_rng(seed).normal(size=(len(centres), 3))
+    half_bond = 0.55 * axes / np.linalg.norm(axes, axis=1, keepdims=True)  # N2: 1.10 Å
+    pairs = np.stack([centres - half_bond, centres + half_bond], axis=1).reshape(-1, 3)
+    return atoms + Atoms("N" * len(pairs), positions=pairs)
+
+
+def _cu_particle(size: int, seed: int) -> Atoms:
+    """The Cu icosahedron of ``cu-cluster`` in a periodic box twice its width."""
+    atoms = _cu_cluster(size, seed)
+    width = np.ptp(atoms.positions, axis=0).max()
+    atoms.center(vacuum=width / 2.0)
+    atoms.pbc = True
+    return atoms
+
+
+def _scattered(
+    count: int, cell: np.ndarray, z_range: tuple[float, float], spacing: float, seed: int
+) -> np.ndarray:
+    """``count`` random points (Å) across the cell's first two vectors, between the
+    heights ``z_range``, no two closer than ``spacing`` Å (an orthogonal cell)."""
+    rng = np.random.default_rng(seed)
+    points = np.zeros((0, 3))
+    while len(points) < count:
+        trial = rng.uniform(0.0, 1.0, 3) * [cell[0, 0], cell[1, 1], 1.0]
+        trial[2] = z_range[0] + trial[2] * (z_range[1] - z_range[0])
+        gap = points - trial
+        gap[:, :2] -= np.round(gap[:, :2] / [cell[0, 0], cell[1, 1]]) * [cell[0, 0], cell[1, 1]]
+        if not len(points) or np.min(np.linalg.norm(gap, axis=1)) >= spacing:
+            points = np.vstack([points, trial])
+    return points
+
+
 COPPER = Defaults("emt", 300.0, 7e-7)
+ARGON = Defaults("lj", 180.0, 2e-4)
 SYSTEMS = {
     "cu-bulk": System(_cu_bulk, 10, "4 N^3 atoms of fcc Cu", COPPER),
     "cu-cluster": System(_cu_cluster, 11, "Cu icosahedron of N shells", COPPER),
-    "ar-liquid": System(_ar_liquid, 10, "4 N^3 Ar atoms", Defaults("lj", 180.0, 2e-4)),
+    "ar-liquid": System(_ar_liquid, 10, "4 N^3 Ar atoms", ARGON),
+    # heterogeneous systems, for the load balance (ase_shard.balance)
+    "ar-interface": System(
+        _ar_interface, 6, "4 N^3 liquid Ar atoms beside their vapour", Defaults("lj", 100.0, 2e-4)
+    ),
+    "cu-slab-gas": System(_cu_slab_gas, 8, "N^3 Cu slab with N^2 / 2 N2 molecules", COPPER),
+    "cu-particle": System(_cu_particle, 8, "Cu icosahedron of N shells in a box", COPPER),
 }
 FILE_DEFAULTS = COPPER  # EMT, 300 K, a metal's compressibility
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ase_shard.balance import BALANCES
 from ase_shard.graph import ShardModel, receptive_field, supports_layer_halo
 from ase_shard.neighbors import NEIGHBOR_LISTS
 from ase_shard.partition import PARTITIONS
@@ -30,6 +31,8 @@ class Settings:
         Å beyond the halo's reach; the decomposition is reused until pair
         distances may have changed by more.
     partition : {"spatial", "contiguous"}
+    balance : {"count", "work"}
+        What the ``spatial`` partition's cuts balance (:mod:`ase_shard.balance`).
     grid : (int, int, int) or None
         The rank grid of ``spatial``; ``None``: chosen at each build.
     halo : {"layer", "full"}
@@ -50,6 +53,7 @@ class Settings:
 
     skin: float
     partition: str
+    balance: str
     grid: tuple[int, int, int] | None
     halo: str
     compile: bool | str
@@ -67,6 +71,7 @@ class Settings:
         *,
         skin: Any,
         partition: Any,
+        balance: Any,
         grid: Any,
         halo: Any,
         compile: Any,
@@ -77,6 +82,8 @@ class Settings:
         first bad one; ``model`` has passed :func:`ase_shard.graph.check_model`."""
         if partition not in PARTITIONS:
             raise ValueError(f"partition must be one of {PARTITIONS}, not {partition!r}")
+        if balance not in BALANCES:
+            raise ValueError(f"balance must be one of {BALANCES}, not {balance!r}")
         skin = _length("skin", skin)
         min_distance = _length("min_distance", min_distance)
         if neighbor_list not in NEIGHBOR_LISTS:
@@ -95,6 +102,7 @@ class Settings:
         return cls(
             skin=skin,
             partition=partition,
+            balance=balance,
             grid=None if grid is None else rank_grid(grid, ranks),
             halo=halo,
             compile=compile,
@@ -115,6 +123,7 @@ class Settings:
         return {
             "skin": self.skin,
             "partition": self.partition,
+            "balance": self.balance,
             "grid": list(self.grid) if self.grid else None,
             "halo": self.halo,
             "compile": self.compile,

@@ -59,10 +59,11 @@ def test_parser_imports_no_torch() -> None:
 
 def test_choices_match_the_modules_that_define_them() -> None:
     """cli.py spells out choices that torch-heavy modules define."""
-    from ase_shard import md, partition, random_models, settings
+    from ase_shard import balance, md, partition, random_models, settings
 
     assert cli.HALOS == settings.HALOS
     assert cli.PARTITIONS == partition.PARTITIONS
+    assert cli.BALANCES == balance.BALANCES
     assert cli.BENCH_MODELS == tuple(random_models.ML_MODELS)
     assert cli.BUILTIN_MODELS == tuple(md.MODELS)
 

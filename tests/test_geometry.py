@@ -14,14 +14,16 @@ from ase.cell import Cell
 
 from ase_shard.halo import images_near_domains, local_rows, rank_rows
 from ase_shard.partition import (
+    EVERY_ATOM_HERE,
     FrameCoordinates,
-    balanced_bin_cuts,
-    bins_of,
+    OverRanks,
+    balanced_cuts,
     choose_grid,
     contiguous_owners,
     frame_coordinates,
     frame_matrix,
     grouped_order,
+    owners_at,
     plane_spacings,
     spatial_owners,
 )
@@ -446,30 +448,6 @@ def test_images_near_domains_are_the_ghosts(
         assert sent[rank] == {(int(i), *map(int, n)) for i, n in ghosts}
 
 
-@pytest.mark.parametrize("parts", [2, 3, 4, 7])
-def test_balanced_bin_cuts(parts: int) -> None:
-    """Cuts leave each part within one bin's atoms of an equal share, for every group."""
-    rng = np.random.default_rng(parts)
-    values = np.concatenate([rng.normal(0.3, 0.05, 900), rng.uniform(0.0, 1.0, 600)])
-    groups = rng.integers(0, 3, len(values))
-    bins = bins_of(values, values.min(), values.max())
-    histograms = np.zeros((3, 1024), np.int64)
-    np.add.at(histograms, (groups, bins), 1)
-    cuts = balanced_bin_cuts(histograms, parts)
-    assert cuts.shape == (3, parts - 1) and np.all(np.diff(cuts, axis=1) >= 0)
-    labels = (bins[:, None] >= cuts[groups]).sum(axis=1)
-    for group in range(3):
-        counts = np.bincount(labels[groups == group], minlength=parts)
-        widest_bin = histograms[group].max()
-        assert np.abs(counts - counts.sum() / parts).max() <= widest_bin
-
-
-def test_balanced_bin_cuts_empty_group() -> None:
-    """A group with no atoms gets cuts too (every rank computes the same)."""
-    cuts = balanced_bin_cuts(np.zeros((2, 8), np.int64), 3)
-    assert cuts.shape == (2, 2)
-
-
 def test_rank_rows_empty_system() -> None:
     """No atoms: every rank gets no rows."""
     pbc = np.ones(3, bool)
@@ -598,21 +576,100 @@ def test_checksum_sees_one_changed_bit() -> None:
     assert checksum(np.arange(5)) != checksum(np.arange(6))
 
 
-@pytest.mark.parametrize("parts", [1, 2, 3, 4, 7])
-def test_balanced_labels_follow_value_then_index_order(parts: int) -> None:
-    """Label = rank * parts // count in (value, index) order, ties and tiny groups included."""
-    from ase_shard.partition import balanced_labels
+def _expected_owners(
+    s: np.ndarray, ids: np.ndarray, weights: np.ndarray, grid: tuple[int, int, int]
+) -> np.ndarray:
+    """The rule by its definition, atom by atom: along each axis, within each group, an
+    atom goes to part ``floor(W parts / total)``, ``W`` the weight before it in the
+    order of ``(coordinate, id)``."""
+    group = np.zeros(len(s), dtype=np.int64)
+    for axis, parts in enumerate(grid):
+        label = np.zeros(len(s), dtype=np.int64)
+        for g in np.unique(group):
+            members = np.flatnonzero(group == g)
+            order = members[np.lexsort((ids[members], s[members, axis]))]
+            before = np.cumsum(weights[order]) - weights[order]
+            label[order] = before * parts // weights[members].sum()
+        group = group * parts + label
+    return group
 
-    rng = np.random.default_rng(parts)
-    values = rng.integers(0, 6, 500).astype(float)  # many ties
-    groups = rng.integers(0, 5, 500)
-    groups[groups == 4] = 3  # group 4 empty
-    groups[:2] = 9  # a group of two atoms
-    got = balanced_labels(values, groups, parts)
-    for group in np.unique(groups):
-        members = np.flatnonzero(groups == group)
-        order = members[np.lexsort((members, values[members]))]
-        np.testing.assert_array_equal(got[order], np.arange(len(order)) * parts // len(order))
+
+class _ThreadRanks:
+    """``ranks`` threads standing in for MPI ranks: the two collectives of
+    :class:`OverRanks` by a barrier and shared slots (balanced_cuts without MPI)."""
+
+    def __init__(self, ranks: int):
+        import threading
+
+        self.barrier = threading.Barrier(ranks)
+        self.slots: list = [None] * ranks
+
+    def over_ranks(self, rank: int) -> OverRanks:
+        def every(value):
+            self.barrier.wait()
+            self.slots[rank] = value
+            self.barrier.wait()
+            values = list(self.slots)
+            self.barrier.wait()
+            return values
+
+        return OverRanks(
+            sum=lambda a: np.sum(every(a), axis=0), concatenate=lambda a: np.concatenate(every(a))
+        )
+
+
+@pytest.mark.parametrize("grid", [(3, 1, 1), (2, 2, 1), (1, 3, 2), (2, 2, 2)])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_balanced_cuts_follow_coordinate_then_id_order(grid, weighted: bool) -> None:
+    """Owners equal the rule's definition, ties on lattice planes split by id, whether one
+    holder has every atom or three ranks (threads) hold a share each."""
+    import threading
+
+    rng = np.random.default_rng(sum(grid))
+    n = 700
+    s = rng.integers(0, 7, (n, 3)) / 7.0  # 7 planes per axis: many ties
+    ids = rng.permutation(n) + 1000
+    weights = rng.integers(1, 60, n) if weighted else np.ones(n, dtype=np.int64)
+    expected = _expected_owners(s, ids, weights, grid)
+    lo, hi = s.min(axis=0), s.max(axis=0)
+    cuts = balanced_cuts(s, ids, lo, hi, grid, EVERY_ATOM_HERE, weights if weighted else None)
+    np.testing.assert_array_equal(owners_at(s, ids, cuts), expected)
+    # the atoms shared out unevenly among three ranks, one with none
+    holder = rng.choice([0, 1, 1, 2], n)
+    ranks, got = _ThreadRanks(3), np.full(n, -1)
+
+    def rank(r: int) -> None:
+        mine = holder == r
+        share = balanced_cuts(
+            s[mine],
+            ids[mine],
+            lo,
+            hi,
+            grid,
+            ranks.over_ranks(r),
+            weights[mine] if weighted else None,
+        )
+        got[mine] = owners_at(s[mine], ids[mine], share)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    np.testing.assert_array_equal(got, expected)
+    # within one atom's weight of an equal share
+    work = np.bincount(expected, weights, int(np.prod(grid)))
+    assert work.max() - work.min() <= 2 * weights.max()
+
+
+def test_balanced_cuts_fewer_atoms_than_boxes() -> None:
+    """Three atoms on a 2 x 2 grid: one box stays empty, the others get one each."""
+    s = np.array([[0.1, 0.5, 0.5], [0.9, 0.2, 0.5], [0.9, 0.8, 0.5]])
+    ids = np.arange(3)
+    cuts = balanced_cuts(s, ids, s.min(axis=0), s.max(axis=0), (2, 2, 1), EVERY_ATOM_HERE)
+    owners = owners_at(s, ids, cuts)
+    np.testing.assert_array_equal(owners, _expected_owners(s, ids, np.ones(3, int), (2, 2, 1)))
+    assert sorted(np.bincount(owners, minlength=4)) == [0, 1, 1, 1]
 
 
 @pytest.mark.parametrize("n_keys", [40, 70_000])  # 8/16-bit and 32-bit sort keys

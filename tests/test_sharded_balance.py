@@ -1,6 +1,8 @@
 """``calc.balance``: each rank's owned atoms, ghost atoms and listed edges, against counts
 made without the calculator (the owners' histogram, the ghost rows' distinct foreign
-atoms, ASE's neighbour list). Run plainly and under ``mpirun -n 2, 3, 4``."""
+atoms, ASE's neighbour list); and ``balance="work"``: cuts that even out the pairs of a
+liquid beside its vapour, counted by ASE's neighbour list, cut again when the work
+moves and only then, with ASE's results. Run plainly and under ``mpirun -n 2, 3, 4``."""
 
 from __future__ import annotations
 
@@ -8,10 +10,14 @@ import numpy as np
 import pytest
 from ase.build import bulk
 from ase.neighborlist import neighbor_list
-from sharded import COMM
+from oracles import ase_results
+from sharded import COMM, assert_close_to, results
 
 from ase_shard import ShardedCalculator, distribute
+from ase_shard.distributed import GLOBAL_ID
+from ase_shard.md import ASE_CALCULATORS, MODELS
 from ase_shard.models import EMT, LennardJones
+from ase_shard.presets import SYSTEMS
 
 SKIN = 0.5  # Å, ShardedCalculator's default
 
@@ -55,3 +61,75 @@ def test_balance_with_distributed_atoms() -> None:
     assert balance.owned == tuple(COMM.allgather(len(local)))
     pairs = len(neighbor_list("i", atoms, float(EMT().cutoff) + SKIN)) // 2
     assert sum(balance.edges) == pairs
+
+
+def _interface():
+    """298 Ar atoms: a liquid slab (256) beside its vapour (42), in a 69 Å box."""
+    return SYSTEMS["ar-interface"].build(4, 0)
+
+
+def _pair_imbalance(atoms, owners: np.ndarray) -> float:
+    """Most pairs within the cutoff centred on one rank's atoms over the mean (ASE's
+    neighbour list of the whole system, as issue 32 counts a rank's work)."""
+    centres = neighbor_list("i", atoms, float(MODELS["lj"]().cutoff))
+    pairs = np.bincount(owners[centres], minlength=COMM.size)
+    return pairs.max() / pairs.mean()
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["replicated", "distributed"])
+def test_work_balance_evens_the_pairs_with_ase_results(distributed: bool) -> None:
+    atoms = _interface()
+    reference = ase_results(ASE_CALCULATORS["lj"](), atoms)
+    imbalance = {}
+    for balance in ("count", "work"):
+        calc = ShardedCalculator(MODELS["lj"](), balance=balance)
+        local = distribute(atoms if COMM.is_root else None) if distributed else atoms.copy()
+        local.calc = calc
+        local.get_forces()  # the first build cuts by count: no edges are known yet
+        calc.request_rebuild()
+        got = results(local)
+        if distributed:  # each rank's atoms, by their global ids
+            ids = np.concatenate(COMM.allgather(local.arrays[GLOBAL_ID]))
+            owners = np.repeat(np.arange(COMM.size), COMM.allgather(len(local)))[np.argsort(ids)]
+            mine = local.arrays[GLOBAL_ID]
+            expected = {
+                k: v if k in ("energy", "stress") else v[mine] for k, v in reference.items()
+            }
+        else:
+            owners, expected = calc.decomposition.owners, reference
+        assert_close_to(got, expected, 1e-10)
+        imbalance[balance] = _pair_imbalance(atoms, owners)
+        assert calc.balance.rebalances == (balance == "work" and COMM.size > 1)
+    if COMM.size > 1:
+        # count-balanced: the rank with the vapour has a third of the others' pairs or less
+        assert imbalance["count"] > 1.15
+        assert imbalance["work"] <= 1.05
+
+
+def test_rebalances_when_the_work_moves_and_only_then() -> None:
+    atoms = _interface()
+    reference = ShardedCalculator(MODELS["lj"](), balance="count")
+    calc = ShardedCalculator(MODELS["lj"]())  # balance="work", the default
+    atoms.calc = calc
+    atoms.get_forces()
+    calc.request_rebuild()
+    atoms.get_forces()  # cut by work where the ranks' work differs (not on one rank)
+    assert calc.balance.rebalances == (COMM.size > 1)
+    for _ in range(3):  # a vapour atom moves beyond half the skin: rebuilds, cuts kept
+        atoms.positions[-1] += 0.3
+        atoms.get_forces()
+    assert calc.rebuilds == 5
+    assert calc.balance.rebalances == (COMM.size > 1)
+    # the liquid moves by a third of the box: the work the cuts give the ranks changes
+    atoms.positions[:, 2] += atoms.cell[2, 2] / 3.0
+    got = results(atoms)
+    assert calc.balance.rebalances == 2 * (COMM.size > 1)
+    if COMM.size > 1:
+        assert _pair_imbalance(atoms, calc.decomposition.owners) <= 1.05
+    assert_close_to(got, results(_with(atoms, reference)), 1e-12)
+
+
+def _with(atoms, calc):
+    copy = atoms.copy()
+    copy.calc = calc
+    return copy

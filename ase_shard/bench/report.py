@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ase_shard.balance import max_over_mean
 from ase_shard.bench.framework import FRAMEWORK_BALANCE, FRAMEWORK_PHASES
 from ase_shard.bench.run import KINDS
-from ase_shard.layouts.base import max_over_mean
 from ase_shard.timing import PHASES
 
 # largest relative difference from the bare model that is round-off, per dtype

@@ -28,11 +28,13 @@ from typing import Any
 import numpy as np
 from ase import Atoms
 
+from ase_shard.balance import WorkCuts
 from ase_shard.comm import Comm, Failure
 from ase_shard.exchange import Halo
 from ase_shard.halo import RankRows
 from ase_shard.inputs import ModelInputs, pack, take_rows
 from ase_shard.partition import (
+    EVERY_ATOM_HERE,
     FrameCoordinates,
     choose_grid,
     contiguous_owners,
@@ -193,41 +195,6 @@ class DecompositionView:
     ghosts: dict[int, Ghosts]
 
 
-@dataclass(frozen=True)
-class Balance:
-    """Each rank's share of the work at the last rebuild (``calc.balance``).
-
-    Attributes
-    ----------
-    owned : tuple of int
-        Atoms each rank owns.
-    ghosts : tuple of int
-        Atoms of other ranks (or periodic images) each rank also evaluates.
-    edges : tuple of int
-        Edges each rank's blocks list (pairs within cutoff + skin; of a
-        ``Sum``, every term's): a pair potential's or a message-passing model's
-        work grows with them.
-    """
-
-    owned: tuple[int, ...]
-    ghosts: tuple[int, ...]
-    edges: tuple[int, ...]
-
-    @property
-    def imbalance(self) -> float:
-        """Most edges on one rank over the mean (1 when balanced; as LAMMPS's
-        ``%imbalance``, ``100 (imbalance - 1)``): every step waits for the busiest."""
-        return max_over_mean(self.edges) or 1.0
-
-
-def max_over_mean(values: Sequence[float]) -> float | None:
-    """The largest of the ranks' ``values`` over their mean (1: balanced); ``None``
-    when the mean is 0 (no rank had any)."""
-    values = np.asarray(values, dtype=float)
-    mean = values.mean()
-    return float(values.max() / mean) if mean > 0 else None
-
-
 class Layout(ABC):
     """Where the atoms live, and how a rank's rows and results travel.
 
@@ -259,6 +226,8 @@ class Layout(ABC):
         self.comm, self.halo, self.settings = comm, halo, settings
         self.inputs, self.timer = inputs, timer
         self.state: Decomposition | None = None
+        # balance="work": the cuts kept between rebuilds and the atoms' weights
+        self.work_cuts = WorkCuts() if settings.balance == "work" else None
 
     # -- the interface ------------------------------------------------------------------
 
@@ -336,6 +305,13 @@ class Layout(ABC):
         known."""
         return None
 
+    @abstractmethod
+    def record_work(self, edges: np.ndarray) -> None:
+        """``balance="work"``: this rank's owned atoms' edges at the rebuild (in owned
+        row order) become the weights of the atoms the next partition sees
+        (:meth:`ase_shard.balance.WorkCuts.record`; collective where that
+        partition sees other ranks' atoms)."""
+
     # -- shared by the layouts ------------------------------------------------------------
 
     def finish(
@@ -386,8 +362,12 @@ class Layout(ABC):
             if self.settings.partition == "contiguous":
                 return coords, contiguous_owners(len(coords.s), ranks) + first
             width = self.settings.halo_width
-            grid = self.settings.grid or choose_grid(coords, request.pbc, ranks, width)
-            return coords, spatial_owners(coords, tuple(grid)) + first
+            grid = tuple(self.settings.grid or choose_grid(coords, request.pbc, ranks, width))
+            if self.work_cuts is None:
+                return coords, spatial_owners(coords, grid) + first
+            s, ids = coords.s, np.arange(len(coords.s))
+            lo, hi = s.min(axis=0, initial=np.inf), s.max(axis=0, initial=-np.inf)
+            return coords, self.work_cuts.owners(s, ids, lo, hi, grid, EVERY_ATOM_HERE) + first
 
     def rows_of(self, atoms: Atoms, ids: np.ndarray | slice) -> np.ndarray:
         """Positions (Å) and packed per-atom inputs of the atoms ``ids`` of ``atoms``."""

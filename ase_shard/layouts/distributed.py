@@ -1,7 +1,7 @@
 """Distributed atoms: each rank holds only the atoms it owns (ASAP3-style).
 
 At a rebuild every rank computes the owners of its own atoms by a rule all
-ranks share (cuts at summed histograms, :func:`ase_shard.partition.histogram_owners`),
+ranks share (cuts at summed histograms, :func:`ase_shard.partition.balanced_cuts`),
 the atoms migrate to their owners with all their arrays (the halo's
 ``exchange``), each rank sends the images of its atoms that lie in another
 rank's widened domain, and the requests of the folded ghost nodes go back to
@@ -20,10 +20,12 @@ from ase_shard.distributed import GLOBAL_ID, DistributedAtoms
 from ase_shard.halo import fold_rows, images_near_domains
 from ase_shard.layouts.base import Decomposition, Layout, Request
 from ase_shard.partition import (
+    OverRanks,
+    balanced_cuts,
     contiguous_owners,
     frame_coordinates,
     grid_for_extent,
-    histogram_owners,
+    owners_at,
 )
 from ase_shard.system import checksum, validate_numbers, validate_positions
 
@@ -88,8 +90,9 @@ class DistributedLayout(Layout):
     def _owners(self, atoms: DistributedAtoms, request: Request) -> np.ndarray:
         """New owner of each local atom: the same rule on every rank.
 
-        ``spatial``: count-balanced boxes cut at summed histograms (one
-        allgather of the ranks' boxes, one allreduce per cut axis).
+        ``spatial``: boxes cut at summed histograms (one allgather of the
+        ranks' boxes, one allreduce per cut axis), balanced by count, or by
+        work (``balance="work"``: the cuts are kept while they balance).
         ``contiguous``: blocks of global ids.
         """
         comm, settings = self.comm, self.settings
@@ -102,11 +105,23 @@ class DistributedLayout(Layout):
         everywhere = np.array(comm.allgather(bounds))
         lo, hi = everywhere[:, :3].min(axis=0), everywhere[:, 3:].max(axis=0)
         span = np.where(np.isfinite(hi - lo), hi - lo, 0.0)
-        grid = settings.grid or grid_for_extent(
-            np.where(request.pbc, coords.spacing, span), request.pbc, comm.size,
-            settings.halo_width,
+        grid = tuple(
+            settings.grid
+            or grid_for_extent(
+                np.where(request.pbc, coords.spacing, span),
+                request.pbc,
+                comm.size,
+                settings.halo_width,
+            )
         )
-        return histogram_owners(coords.s, lo, hi, grid, comm.allreduce_counts)
+        ids = atoms.arrays[GLOBAL_ID]
+        over_ranks = OverRanks(
+            sum=comm.allreduce_counts,
+            concatenate=lambda rows: np.concatenate(comm.allgather(rows)),
+        )
+        if self.work_cuts is None:
+            return owners_at(coords.s, ids, balanced_cuts(coords.s, ids, lo, hi, grid, over_ranks))
+        return self.work_cuts.owners(coords.s, ids, lo, hi, grid, over_ranks)
 
     def stale(self, atoms: DistributedAtoms) -> str | None:
         if len(atoms) != self.state.rows.n_owned:
@@ -137,6 +152,10 @@ class DistributedLayout(Layout):
                 f"(rank by rank: {shares}); change them on every rank"
             )
         return reason
+
+    def record_work(self, edges: np.ndarray) -> None:
+        # the owned atoms are the local atoms, in order, until the next rebuild
+        self.work_cuts.record(edges)
 
     def collect(self, partial: np.ndarray, owned: np.ndarray) -> tuple[Any, Any]:
         # each rank keeps its own atoms' results, in its own order

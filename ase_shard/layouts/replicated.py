@@ -30,6 +30,7 @@ from ase_shard.layouts.base import (
     Layout,
     Request,
     gathered_rows,
+    in_order,
 )
 from ase_shard.system import (
     PER_ATOM_FIELDS,
@@ -184,6 +185,11 @@ class ReplicatedLayout(Layout):
 
     def collect(self, partial: np.ndarray, owned: np.ndarray) -> tuple[Any, Any]:
         return self._collected(self.comm.allgather_rows, partial, owned, self.gathered_row)
+
+    def record_work(self, edges: np.ndarray) -> None:
+        # every rank partitions every atom: every atom's weight, in atom order
+        every = self.comm.allgather_rows(edges, self.state.counts[:, 1])
+        self.work_cuts.record(in_order(every, self.gathered_row))
 
     def decomposition(self) -> DecompositionView | None:
         if self.state is None or self.owners is None:

@@ -25,6 +25,7 @@ from ase_shard.layouts.base import (
     Layout,
     Request,
     gathered_rows,
+    in_order,
 )
 from ase_shard.settings import Settings
 from ase_shard.system import validate
@@ -130,6 +131,12 @@ class RootLayout(Layout):
 
     def collect(self, partial: np.ndarray, owned: np.ndarray) -> tuple[Any, Any]:
         return self._collected(self.comm.gather_rows, partial, owned, self.gathered_row)
+
+    def record_work(self, edges: np.ndarray) -> None:
+        # rank 0 partitions every atom: every atom's weight there, in atom order
+        every = self.comm.gather_rows(edges, self.state.counts[:, 1])
+        if self.comm.is_root:
+            self.work_cuts.record(in_order(every, self.gathered_row))
 
     def decomposition(self) -> DecompositionView | None:
         if self.state is None or self.owners is None:
