@@ -43,16 +43,24 @@ def cell_list_pairs(points: np.ndarray, cutoff: float, n_centres: int) -> np.nda
     while np.prod(shape) > BINS_PER_POINT * len(points) + 64:
         width *= 1.25
         shape = np.floor(extent / width).astype(np.int64) + 1
-    # room for the pairs of a uniform block; a denser one is searched again, once
+    cell, start, order, sorted_points = _bin(points, lo, width, shape)
+    # room for the pairs of a uniform block; where the points are denser (a liquid
+    # beside its vapour), the sweep stops at the centre that does not fit and goes
+    # on from there into more room, sized by the pairs per centre found so far
     density = len(points) / np.prod(extent + cutoff)
     capacity = int(1.5 * n_centres * density * 4.19 * cutoff**3) + 1024
     capacity = min(capacity, n_centres * len(points))
+    parts, done = [], 0
     while True:
         pairs = np.empty((2, capacity), dtype=np.int64)
-        found = _sweep(points, n_centres, cutoff * cutoff, lo, width, shape, pairs)
-        if found <= capacity:
-            return pairs[:, :found]
-        capacity = found
+        found, done = _sweep(
+            sorted_points, order, cell, start, shape, n_centres, cutoff * cutoff, done, pairs
+        )
+        parts.append(pairs[:, :found])
+        if done == len(points):
+            return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+        listed = sum(part.shape[1] for part in parts)
+        capacity = int(1.5 * listed / max(done, 1) * (len(points) - done)) + len(points) + 1024
 
 
 def has_empty_slab(points: np.ndarray, width: float) -> bool:
@@ -94,12 +102,12 @@ def _bounds(points):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True)
-def _sweep(points, n_centres, cutoff2, lo, width, shape, pairs):  # pragma: no cover - compiled
-    """Write the pairs into ``pairs`` while they fit; return how many there are."""
+def _bin(points, lo, width, shape):  # pragma: no cover - compiled
+    """Counting sort of the points into bins: each point's bin, each bin's first row in
+    bin order, the points in bin order (``order``) and their positions so sorted."""
     n = points.shape[0]
     s1 = shape[1]
     s2 = shape[2]
-    # counting sort of the points into bins, with a sorted copy for locality
     cell = np.empty(n, np.int64)
     for k in range(n):
         c0 = min(int((points[k, 0] - lo[0]) / width), shape[0] - 1)
@@ -119,10 +127,22 @@ def _sweep(points, n_centres, cutoff2, lo, width, shape, pairs):  # pragma: no c
         order[q] = k
         sorted_points[q] = points[k]
         fill[cell[k]] += 1
+    return cell, start, order, sorted_points
 
+
+@numba.njit(cache=True)
+def _sweep(
+    sorted_points, order, cell, start, shape, n_centres, cutoff2, first, pairs
+):  # pragma: no cover - compiled
+    """Write the pairs of the centres from row ``first`` on (in bin order) into
+    ``pairs``; stop before the first centre whose pairs do not fit. Return the pairs
+    written and the row to go on from (``n`` when every centre is done)."""
+    n = sorted_points.shape[0]
+    s1 = shape[1]
+    s2 = shape[2]
     capacity = pairs.shape[1]
     found = 0
-    for qi in range(n):
+    for qi in range(first, n):
         i = order[qi]
         if i >= n_centres:
             continue
@@ -133,6 +153,7 @@ def _sweep(points, n_centres, cutoff2, lo, width, shape, pairs):  # pragma: no c
         x = sorted_points[qi, 0]
         y = sorted_points[qi, 1]
         z = sorted_points[qi, 2]
+        written = found
         for a in range(max(c0 - 1, 0), min(c0 + 2, shape[0])):
             for b in range(max(c1 - 1, 0), min(c1 + 2, s1)):
                 row = (a * s1 + b) * s2
@@ -141,8 +162,10 @@ def _sweep(points, n_centres, cutoff2, lo, width, shape, pairs):  # pragma: no c
                     dy = sorted_points[q, 1] - y
                     dz = sorted_points[q, 2] - z
                     if dx * dx + dy * dy + dz * dz < cutoff2 and q != qi:
-                        if found < capacity:
-                            pairs[0, found] = i
-                            pairs[1, found] = order[q]
-                        found += 1
-    return found
+                        if written == capacity:
+                            return found, qi  # this centre again, in more room
+                        pairs[0, written] = i
+                        pairs[1, written] = order[q]
+                        written += 1
+        found = written
+    return found, n

@@ -288,7 +288,9 @@ def _ar_interface(size: int, seed: int) -> Atoms:
     atoms = _ar_liquid(size, seed)
     length = atoms.cell[2, 2]
     atoms.cell[2, 2] = 3.0 * length
-    gas = _scattered(len(atoms) // 6, atoms.cell, (length + 1.5, 3.0 * length - 1.5), 3.4, seed)
+    # the liquid's planes are at 0 (its first) and length - a / 2 (its last): 3.4 Å clear
+    clear = (length - ARGON_LIQUID_A / 2.0 + 3.4, 3.0 * length - 3.4)
+    gas = _scattered(len(atoms) // 6, atoms.cell, clear, 3.4, seed)
     return atoms + Atoms("Ar" * len(gas), positions=gas)
 
 

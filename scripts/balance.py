@@ -115,6 +115,10 @@ def step_times(name: str, size: int, steps: int) -> dict:
             "rebuilds": copy.calc.rebuilds,
             "rebalances": copy.calc.balance.rebalances,
             "edges": list(copy.calc.balance.edges),
+            "owned": list(copy.calc.balance.owned),
+            "ghosts": list(copy.calc.balance.ghosts),
+            # each rank's CPU seconds per phase, MPI waits excluded
+            "cpu_s": comm.allgather(dict(copy.calc.timer.cpu)),
             "samples_s": times,
         }
     return out
@@ -140,6 +144,10 @@ def main() -> None:
                     f"{run['mean_s'] * 1e3:.1f} ms, rebuilds {run['rebuilds']}, rebalances "
                     f"{run['rebalances']}, edges/rank {run['edges']}"
                 )
+            for balance in ("count", "work"):
+                for rank, phases in enumerate(out[balance]["cpu_s"]):
+                    shown = ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if v > 0.01)
+                    print(f"{balance:5s} rank {rank} CPU s: {shown}")
             for key in ("median_s", "mean_s"):
                 print(f"work / count ({key[:-2]}): {out['work'][key] / out['count'][key]:.3f}")
             if args.json:

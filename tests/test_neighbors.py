@@ -167,7 +167,8 @@ def test_cell_list_keys_do_not_overflow() -> None:
 
 def test_dense_cluster_beyond_the_first_guess() -> None:
     """A tight cluster in a wide, empty box holds far more pairs than its mean density
-    predicts: the compiled cell list searches again with room for all of them."""
+    predicts: the compiled cell list goes on from the centre that did not fit, into
+    more room, and every pair is listed once."""
     points = np.random.default_rng(12).normal(0.0, 0.2, (400, 3))
     points[0] = [300.0, 0.0, 0.0]
     got = torch.from_numpy(cell_list_pairs(points, 1.5, len(points)))
