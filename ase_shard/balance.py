@@ -32,10 +32,11 @@ from ase_shard.partition import Cuts, OverRanks, balanced_cuts, owners_at
 BALANCES = ("work", "count")
 # most work on one rank over the mean beyond which the kept cuts are cut again
 REBALANCE_ABOVE = 1.02
-# an atom's own cost in the units of its edges: a node costs about as much as this many
-# edges (rows packed and sent, per-node terms, results gathered); measured on LJ, see
-# docs/performance.md ("Balance between ranks")
-NODE_WORK = 4
+# an atom's own cost in the units of its edges (a pair counts at both of its atoms): its
+# rows packed and sent, per-node terms, results gathered. A Lennard-Jones step of 32,000
+# argon atoms is 15 ns a pair and 48-67 ns an atom, an atom 6.3 and 8.7 edges in two
+# runs (scripts/balance.py --node-cost; docs/performance.md, "Balance between ranks")
+NODE_WORK = 8
 
 
 @dataclass(frozen=True)

@@ -543,10 +543,11 @@ class ShardedCalculator(Calculator):
         views = self.comm.share(own_block)
         state.counts = np.array([view[0] for view in views], dtype=np.int64)
         if layout.work_cuts is not None:
-            edges = sum(block.node_edges() for block in self._term_blocks())
-            # a pair listed on one rank is the work of its other atom's too
-            owned = self.halo.reverse(edges[None].astype(np.float64))[0]
-            layout.record_work(owned.astype(np.int64))
+            with self.timer.phase("partition"):  # the next partition's weights
+                edges = sum(block.node_edges() for block in self._term_blocks())
+                # a pair listed on one rank is the work of its other atom's too
+                owned = self.halo.reverse(edges[None].astype(np.float64))[0]
+                layout.record_work(owned.astype(np.int64))
         if self._compiled is not None:
             # every rank pads to the same sizes, so they (re)compile together
             terms = zip(self._term_blocks(), self._compiled, strict=True)

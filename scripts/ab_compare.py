@@ -13,7 +13,10 @@ a step that reuses the decomposition, as MD steps do):
 - ``lj``: 32,000 Ar atoms (fcc, a = 5.26 Å, rattled), Lennard-Jones
   (sigma 3.4 Å, epsilon 0.0104 eV, cut at 8.5 Å);
 - ``framework``: ``ase-shard bench --framework`` on 1,000,188 Cu atoms with the
-  no-edge model (the calculator's own cost per MD step, no pairs).
+  no-edge model (the calculator's own cost per MD step, no pairs);
+- ``emt-rebuild``, ``lj-rebuild``: ``emt`` and ``lj`` with a rebuild at every
+  timed step (``calc.request_rebuild()``): what the partition, the halo and the
+  neighbour lists cost.
 
 Usage::
 
@@ -38,6 +41,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 STEP_MOVE = 1e-3  # Å per step: far below any skin, so every timed step reuses the layout
+CHILD_CASES = ("emt", "lj", "emt-rebuild", "lj-rebuild")  # timed by _child
 
 
 def _child(case: str, steps: int) -> None:
@@ -49,6 +53,8 @@ def _child(case: str, steps: int) -> None:
     from ase_shard import ShardedCalculator
     from ase_shard.models import EMT, LennardJones
 
+    rebuild = case.endswith("-rebuild")
+    case = case.removesuffix("-rebuild")
     if case == "emt":
         atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(20)
         model = EMT()
@@ -63,9 +69,11 @@ def _child(case: str, steps: int) -> None:
     for _ in range(steps):
         atoms.positions += rng.normal(scale=STEP_MOVE / 3**0.5, size=atoms.positions.shape)
         start = time.perf_counter()
+        if rebuild:
+            calc.request_rebuild()
         atoms.get_forces()
         times.append(time.perf_counter() - start)
-    assert calc.rebuilds == 1, calc.rebuilds
+    assert calc.rebuilds == 1 + rebuild * steps, calc.rebuilds
     if calc.comm.rank == 0:
         print(json.dumps({"step_s": statistics.median(times), "samples_s": times,
                           "source": os.path.dirname(ase_shard.__file__)}))
@@ -96,13 +104,13 @@ def _run(tree: str, case: str, ranks: int, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trees", nargs=2, metavar=("A", "B"), help="two source trees")
-    parser.add_argument("--cases", nargs="+", choices=("emt", "lj", "framework"),
+    parser.add_argument("--cases", nargs="+", choices=(*CHILD_CASES, "framework"),
                         default=["emt", "lj"])
     parser.add_argument("--ranks", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per process")
     parser.add_argument("--json", help="write every round here")
-    parser.add_argument("--child", choices=("emt", "lj"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=CHILD_CASES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         _child(args.child, args.steps)

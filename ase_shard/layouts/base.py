@@ -227,7 +227,8 @@ class Layout(ABC):
         self.inputs, self.timer = inputs, timer
         self.state: Decomposition | None = None
         # balance="work": the cuts kept between rebuilds and the atoms' weights
-        self.work_cuts = WorkCuts() if settings.balance == "work" else None
+        by_work = settings.partition == "spatial" and settings.balance == "work"
+        self.work_cuts = WorkCuts() if by_work else None
 
     # -- the interface ------------------------------------------------------------------
 

@@ -91,7 +91,8 @@ class DistributedLayout(Layout):
         """New owner of each local atom: the same rule on every rank.
 
         ``spatial``: boxes cut at summed histograms (one allgather of the
-        ranks' boxes, one allreduce per cut axis), balanced by count, or by
+        ranks' boxes; per cut axis, one allreduce of the histograms and one
+        allgather of the atoms in the cuts' bins), balanced by count, or by
         work (``balance="work"``: the cuts are kept while they balance).
         ``contiguous``: blocks of global ids.
         """
