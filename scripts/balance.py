@@ -249,6 +249,55 @@ def node_cost(size: int, rounds: int = 4, steps: int = 15) -> dict:
     }
 
 
+def show_node_cost(out: dict) -> None:
+    print(
+        f"{out['atoms']} atoms: step {out['step_s'][8.5] * 1e3:.1f} ms at 8.5 Å "
+        f"({out['pairs'][8.5]} pairs), {out['step_s'][6.0] * 1e3:.1f} ms at 6 Å "
+        f"({out['pairs'][6.0]}): {out['per_pair_s'] * 1e9:.1f} ns a pair, "
+        f"{out['per_atom_s'] * 1e9:.0f} ns an atom; an atom weighs "
+        f"{out['node_work']:.1f} of its neighbours"
+    )
+
+
+def show_moving_interface(out: dict) -> None:
+    rows = out["rows"]
+    cut = sum(r["rebalanced"] for r in rows[1:])
+    print(f"{out['atoms']} atoms, {out['ranks']} ranks: {len(rows)} rebuilds, {cut} rebalances")
+    for r in rows:
+        print(
+            f"step {r['step']:5d}  estimate {r['estimate'] or 0:.3f}  "
+            f"{'re-cut' if r['rebalanced'] else '      '}  pairs max/mean: work "
+            f"{r['pairs_max_over_mean']:.3f}, count {r['count_pairs_max_over_mean']:.3f}"
+        )
+
+
+def show_step_times(out: dict) -> None:
+    for balance in ("count", "work"):
+        run = out[balance]
+        print(
+            f"{balance:5s} median {run['median_s'] * 1e3:.1f} ms, mean "
+            f"{run['mean_s'] * 1e3:.1f} ms, rebuilds {run['rebuilds']}, rebalances "
+            f"{run['rebalances']}, edges/rank {run['edges']}"
+        )
+    for balance in ("count", "work"):
+        for rank, phases in enumerate(out[balance]["cpu_s"]):
+            shown = ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if v > 0.01)
+            print(f"{balance:5s} rank {rank} CPU s: {shown}")
+    for key in ("median_s", "mean_s"):
+        print(f"work / count ({key[:-2]}): {out['work'][key] / out['count'][key]:.3f}")
+
+
+def show_work_per_rank(out: dict) -> None:
+    mode = "distributed" if out["distributed"] else "replicated"
+    print(f"{out['ranks']} ranks, {mode}; pairs centred on each rank's atoms (ASE's list)")
+    for row in out["rows"]:
+        print(
+            f"{row['system']:13s} {row['atoms']:6d} atoms  {row['balance']:5s}  "
+            f"max/mean {row['pairs_max_over_mean']:.3f}  rebalances {row['rebalances']}  "
+            f"pairs/rank {row['pairs_per_rank']}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--systems", nargs="+", default=list(HETEROGENEOUS))
@@ -263,80 +312,28 @@ def main() -> None:
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
     if args.node_cost:
-        out = node_cost(args.size or 20)
-        print(
-            f"{out['atoms']} atoms: step {out['step_s'][8.5] * 1e3:.1f} ms at 8.5 Å "
-            f"({out['pairs'][8.5]} pairs), {out['step_s'][6.0] * 1e3:.1f} ms at 6 Å "
-            f"({out['pairs'][6.0]}): {out['per_pair_s'] * 1e9:.1f} ns a pair, "
-            f"{out['per_atom_s'] * 1e9:.0f} ns an atom; an atom weighs "
-            f"{out['node_work']:.1f} of its neighbours"
-        )
+        out, show = node_cost(args.size or 20), show_node_cost
+    elif args.md:
+        out = moving_interface(args.size or 10, args.md, args.temperature)
+        show = show_moving_interface
+    elif args.time:
+        name = args.systems[0] if args.systems != list(HETEROGENEOUS) else "ar-interface"
+        out, show = step_times(name, args.size or 19, args.time), show_step_times
+    else:
+        rows = [
+            work_per_rank(name, args.size, balance, args.distributed)
+            for name in args.systems
+            for balance in ("count", "work")
+        ]
+        out, show = {"distributed": args.distributed, "rows": rows}, show_work_per_rank
+    out = {"ranks": comm.size, **out}
+    if comm.rank == 0:
+        show(out)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=1)
-        return
-    if args.md:
-        out = {"ranks": comm.size, **moving_interface(args.size or 10, args.md, args.temperature)}
-        if comm.rank == 0:
-            rows = out["rows"]
-            cut = sum(r["rebalanced"] for r in rows[1:])
-            print(
-                f"{out['atoms']} atoms, {comm.size} ranks: {len(rows)} rebuilds, {cut} rebalances"
-            )
-            for r in rows:
-                print(
-                    f"step {r['step']:5d}  estimate {r['estimate'] or 0:.3f}  "
-                    f"{'re-cut' if r['rebalanced'] else '      '}  pairs max/mean: work "
-                    f"{r['pairs_max_over_mean']:.3f}, count {r['count_pairs_max_over_mean']:.3f}"
-                )
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(out, f, indent=1)
-            if args.plot:
-                plot_moving_interface(out, args.plot)
-        return
-    if args.time:
-        name = args.systems[0] if args.systems != list(HETEROGENEOUS) else "ar-interface"
-        out = step_times(name, args.size or 19, args.time)
-        if comm.rank == 0:
-            for balance in ("count", "work"):
-                run = out[balance]
-                print(
-                    f"{balance:5s} median {run['median_s'] * 1e3:.1f} ms, mean "
-                    f"{run['mean_s'] * 1e3:.1f} ms, rebuilds {run['rebuilds']}, rebalances "
-                    f"{run['rebalances']}, edges/rank {run['edges']}"
-                )
-            for balance in ("count", "work"):
-                for rank, phases in enumerate(out[balance]["cpu_s"]):
-                    shown = ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if v > 0.01)
-                    print(f"{balance:5s} rank {rank} CPU s: {shown}")
-            for key in ("median_s", "mean_s"):
-                print(f"work / count ({key[:-2]}): {out['work'][key] / out['count'][key]:.3f}")
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump({"ranks": comm.size, **out}, f, indent=1)
-        return
-    rows = [
-        work_per_rank(name, args.size, balance, args.distributed)
-        for name in args.systems
-        for balance in ("count", "work")
-    ]
-    if comm.rank == 0:
-        mode = "distributed" if args.distributed else "replicated"
-        print(f"{comm.size} ranks, {mode}; pairs centred on each rank's atoms (ASE's list)")
-        for row in rows:
-            print(
-                f"{row['system']:13s} {row['atoms']:6d} atoms  {row['balance']:5s}  "
-                f"max/mean {row['pairs_max_over_mean']:.3f}  rebalances {row['rebalances']}  "
-                f"pairs/rank {row['pairs_per_rank']}"
-            )
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(
-                    {"ranks": comm.size, "distributed": args.distributed, "rows": rows},
-                    f,
-                    indent=1,
-                )
+        if args.md and args.plot:
+            plot_moving_interface(out, args.plot)
 
 
 if __name__ == "__main__":
