@@ -11,7 +11,13 @@ import pytest
 from ase.build import bulk
 from ase.neighborlist import neighbor_list
 from oracles import ase_results
-from sharded import COMM, assert_close_to, results
+from sharded import (
+    COMM,
+    assert_close_to,
+    assert_ranks_own_nothing_iff_fewer_atoms,
+    fewer_atoms_than_ranks,
+    results,
+)
 
 from ase_shard import ShardedCalculator, distribute
 from ase_shard.distributed import GLOBAL_ID
@@ -133,3 +139,48 @@ def _with(atoms, calc):
     copy = atoms.copy()
     copy.calc = calc
     return copy
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["replicated", "distributed"])
+def test_work_balance_of_a_sum_through_a_cell_change(distributed: bool) -> None:
+    """A ``Sum`` (each term's edges weigh), cut again by work, then the cell scaled as a
+    barostat scales it: ASE's ``SumCalculator`` of its ``LennardJones`` and
+    ``MorsePotential`` to 1e-10 at each step."""
+    from ase.calculators.mixing import SumCalculator
+
+    from ase_shard.models import Sum
+
+    atoms = _interface()
+    model = Sum(MODELS["lj"](), MODELS["morse"]())
+    reference = SumCalculator([ASE_CALCULATORS["lj"](), ASE_CALCULATORS["morse"]()])
+    calc = ShardedCalculator(model)
+    local = distribute(atoms if COMM.is_root else None) if distributed else atoms.copy()
+    local.calc = calc
+    for step in range(3):
+        if step == 1:
+            calc.request_rebuild()  # the first cut by work
+        if step == 2:  # NPT: the cell and the atoms scaled together
+            for system in (atoms, local):
+                system.set_cell(system.cell.array * 1.01, scale_atoms=True)
+        got = results(local)
+        expected = ase_results(reference, atoms)
+        if distributed:
+            mine = local.arrays[GLOBAL_ID]
+            expected = {
+                k: v if k in ("energy", "stress") else v[mine] for k, v in expected.items()
+            }
+        assert_close_to(got, expected, 1e-10)
+    assert calc.balance.rebalances == (COMM.size > 1)
+
+
+def test_work_balance_with_empty_ranks() -> None:
+    """Two atoms on up to 4 ranks: the cut by work leaves ranks empty, as the count
+    does, with ASE's results."""
+    atoms = fewer_atoms_than_ranks()["two"]
+    atoms.numbers[:] = 18  # argon, for Lennard-Jones
+    calc = ShardedCalculator(MODELS["lj"]())
+    atoms.calc = calc
+    atoms.get_forces()
+    calc.request_rebuild()
+    assert_close_to(results(atoms), ase_results(ASE_CALCULATORS["lj"](), atoms), 1e-10)
+    assert_ranks_own_nothing_iff_fewer_atoms(calc, len(atoms))

@@ -226,8 +226,10 @@ class Layout(ABC):
         self.comm, self.halo, self.settings = comm, halo, settings
         self.inputs, self.timer = inputs, timer
         self.state: Decomposition | None = None
-        # balance="work": the cuts kept between rebuilds and the atoms' weights
+        # balance="work": the cuts kept between rebuilds and the atoms' weights (on
+        # one rank there is nothing to balance, and the weights are not counted)
         by_work = settings.partition == "spatial" and settings.balance == "work"
+        by_work = by_work and comm.size > 1
         self.work_cuts = WorkCuts() if by_work else None
 
     # -- the interface ------------------------------------------------------------------
