@@ -137,7 +137,8 @@ class WorkCuts:
                 return owners
         # no cuts yet, a new grid, or cuts that no longer balance (or no weights yet:
         # cut by count, and by work at the next rebuild)
-        self.cuts = balanced_cuts(s, ids, lo, hi, grid, over_ranks, weights)
+        balanced = balanced_cuts(s, ids, lo, hi, grid, over_ranks, weights)
+        self.cuts = balanced.cuts
         if weights is not None:
             self.rebalances += 1
-        return owners_at(s, ids, self.cuts)
+        return balanced.owners

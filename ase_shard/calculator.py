@@ -104,8 +104,9 @@ class ShardedCalculator(Calculator):
         are kept between rebuilds and cut again when the busiest rank's work
         exceeds the mean by 2 % (liquid-vapour, slabs, clusters:
         :mod:`ase_shard.balance`); until the first rebuild has listed edges,
-        on one rank, and for bulk, it cuts as ``count`` does. ``count``: every rank owns as
-        many atoms as the others (within one), cut again at every rebuild.
+        on one rank, and for bulk, it cuts as ``count`` does. ``count``: every
+        rank owns as many atoms as the others (within one), cut again at every
+        rebuild.
     grid : (int, int, int), optional
         Rank grid for ``spatial``; default: the one with the smallest halo.
     halo : {"layer", "full"}, optional

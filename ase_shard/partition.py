@@ -188,6 +188,31 @@ class Cuts:
     last_ids: tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
+@dataclass(frozen=True)
+class Balanced:
+    """Cuts just placed (:func:`balanced_cuts`) and the boxes they give this rank's atoms.
+
+    Attributes
+    ----------
+    cuts : Cuts
+    owners : (n,) int array
+        The box (owner rank) of each atom, as :func:`owners_at` would give it.
+    """
+
+    cuts: Cuts
+    owners: np.ndarray
+
+
+def frame_box(s: np.ndarray) -> np.ndarray:
+    """``(2, 3)``: the lowest and highest frame coordinates of the atoms ``s`` along each
+    axis (``inf`` and ``-inf`` when there are none)."""
+    # column by column: numpy's axis-0 reduction of an (n, 3) array is strided, 16x slower
+    columns = [s[:, axis] for axis in range(3)]
+    return np.array(
+        [[c.min(initial=np.inf) for c in columns], [c.max(initial=-np.inf) for c in columns]]
+    )
+
+
 def owners_at(s: np.ndarray, ids: np.ndarray, cuts: Cuts) -> np.ndarray:
     """Box (owner rank) of each atom ``ids`` at frame coordinates ``s`` (``(n, 3)``)."""
     group = np.zeros(len(s), dtype=np.int64)
@@ -215,8 +240,9 @@ def balanced_cuts(
     grid: tuple[int, int, int],
     over_ranks: OverRanks,
     weights: np.ndarray | None = None,
-) -> Cuts:
-    """Cuts that give every box the same share of the atoms, or of their ``weights``.
+) -> Balanced:
+    """Cuts that give every box the same share of the atoms, or of their ``weights``,
+    and the boxes of this rank's atoms.
 
     Along each axis the atoms of a group, in the order of ``(coordinate,
     id)``, are numbered by the weight before them, ``W``; an atom goes to
@@ -283,7 +309,7 @@ def balanced_cuts(
         last_ids.append(last)
         group = group * parts + _above(values, ids, plane[group], last[group]).sum(axis=1)
         n_groups *= parts
-    return Cuts(tuple(int(p) for p in grid), tuple(planes), tuple(last_ids))
+    return Balanced(Cuts(tuple(int(p) for p in grid), tuple(planes), tuple(last_ids)), group)
 
 
 def spatial_owners(coords: FrameCoordinates, grid: tuple[int, int, int]) -> np.ndarray:
@@ -294,9 +320,9 @@ def spatial_owners(coords: FrameCoordinates, grid: tuple[int, int, int]) -> np.n
     (within one) even for slabs and clusters (:func:`balanced_cuts` of every
     atom, their ids their indices).
     """
-    s, ids = coords.s, np.arange(len(coords.s))
-    lo, hi = s.min(axis=0, initial=np.inf), s.max(axis=0, initial=-np.inf)
-    return owners_at(s, ids, balanced_cuts(s, ids, lo, hi, grid, EVERY_ATOM_HERE))
+    lo, hi = frame_box(coords.s)
+    ids = np.arange(len(coords.s))
+    return balanced_cuts(coords.s, ids, lo, hi, grid, EVERY_ATOM_HERE).owners
 
 
 def contiguous_owners(n_atoms: int, n_ranks: int) -> np.ndarray:

@@ -633,7 +633,7 @@ def test_balanced_cuts_follow_coordinate_then_id_order(grid, weighted: bool) -> 
     expected = _expected_owners(s, ids, weights, grid)
     lo, hi = s.min(axis=0), s.max(axis=0)
     cuts = balanced_cuts(s, ids, lo, hi, grid, EVERY_ATOM_HERE, weights if weighted else None)
-    np.testing.assert_array_equal(owners_at(s, ids, cuts), expected)
+    np.testing.assert_array_equal(owners_at(s, ids, cuts.cuts), expected)
     # the atoms shared out unevenly among three ranks, one with none
     holder = rng.choice([0, 1, 1, 2], n)
     ranks, got = _ThreadRanks(3), np.full(n, -1)
@@ -649,7 +649,7 @@ def test_balanced_cuts_follow_coordinate_then_id_order(grid, weighted: bool) -> 
             ranks.over_ranks(r),
             weights[mine] if weighted else None,
         )
-        got[mine] = owners_at(s[mine], ids[mine], share)
+        got[mine] = owners_at(s[mine], ids[mine], share.cuts)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
     for thread in threads:
@@ -667,7 +667,7 @@ def test_balanced_cuts_fewer_atoms_than_boxes() -> None:
     s = np.array([[0.1, 0.5, 0.5], [0.9, 0.2, 0.5], [0.9, 0.8, 0.5]])
     ids = np.arange(3)
     cuts = balanced_cuts(s, ids, s.min(axis=0), s.max(axis=0), (2, 2, 1), EVERY_ATOM_HERE)
-    owners = owners_at(s, ids, cuts)
+    owners = owners_at(s, ids, cuts.cuts)
     np.testing.assert_array_equal(owners, _expected_owners(s, ids, np.ones(3, int), (2, 2, 1)))
     assert sorted(np.bincount(owners, minlength=4)) == [0, 1, 1, 1]
 

@@ -38,6 +38,7 @@ from ase_shard.partition import (
     FrameCoordinates,
     choose_grid,
     contiguous_owners,
+    frame_box,
     frame_coordinates,
     spatial_owners,
 )
@@ -368,9 +369,10 @@ class Layout(ABC):
             grid = tuple(self.settings.grid or choose_grid(coords, request.pbc, ranks, width))
             if self.work_cuts is None:
                 return coords, spatial_owners(coords, grid) + first
-            s, ids = coords.s, np.arange(len(coords.s))
-            lo, hi = s.min(axis=0, initial=np.inf), s.max(axis=0, initial=-np.inf)
-            return coords, self.work_cuts.owners(s, ids, lo, hi, grid, EVERY_ATOM_HERE) + first
+            lo, hi = frame_box(coords.s)
+            ids = np.arange(len(coords.s))
+            owners = self.work_cuts.owners(coords.s, ids, lo, hi, grid, EVERY_ATOM_HERE)
+            return coords, owners + first
 
     def rows_of(self, atoms: Atoms, ids: np.ndarray | slice) -> np.ndarray:
         """Positions (Å) and packed per-atom inputs of the atoms ``ids`` of ``atoms``."""

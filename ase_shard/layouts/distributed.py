@@ -23,9 +23,9 @@ from ase_shard.partition import (
     OverRanks,
     balanced_cuts,
     contiguous_owners,
+    frame_box,
     frame_coordinates,
     grid_for_extent,
-    owners_at,
 )
 from ase_shard.system import checksum, validate_numbers, validate_positions
 
@@ -46,11 +46,7 @@ class DistributedLayout(Layout):
                 )
         with self.timer.phase("halo"):
             coords = frame_coordinates(atoms.positions, request.cell, request.pbc)
-            box = np.full((2, 3), np.inf)
-            box[1] = -np.inf
-            if len(atoms):
-                box = np.stack([coords.s.min(axis=0), coords.s.max(axis=0)])
-            boxes = np.array(comm.allgather(box))
+            boxes = np.array(comm.allgather(frame_box(coords.s)))
             dest, place, image_shift = images_near_domains(
                 coords, request.pbc, boxes[:, 0], boxes[:, 1], comm.rank, settings.halo_width
             )
@@ -100,11 +96,8 @@ class DistributedLayout(Layout):
         if settings.partition == "contiguous":
             return contiguous_owners(request.n_atoms, comm.size)[atoms.arrays[GLOBAL_ID]]
         coords = frame_coordinates(atoms.positions, request.cell, request.pbc)
-        bounds = np.array([np.inf] * 3 + [-np.inf] * 3)
-        if len(atoms):
-            bounds = np.concatenate([coords.s.min(axis=0), coords.s.max(axis=0)])
-        everywhere = np.array(comm.allgather(bounds))
-        lo, hi = everywhere[:, :3].min(axis=0), everywhere[:, 3:].max(axis=0)
+        boxes = np.array(comm.allgather(frame_box(coords.s)))
+        lo, hi = boxes[:, 0].min(axis=0), boxes[:, 1].max(axis=0)
         span = np.where(np.isfinite(hi - lo), hi - lo, 0.0)
         grid = tuple(
             settings.grid
@@ -121,7 +114,7 @@ class DistributedLayout(Layout):
             concatenate=lambda rows: np.concatenate(comm.allgather(rows)),
         )
         if self.work_cuts is None:
-            return owners_at(coords.s, ids, balanced_cuts(coords.s, ids, lo, hi, grid, over_ranks))
+            return balanced_cuts(coords.s, ids, lo, hi, grid, over_ranks).owners
         return self.work_cuts.owners(coords.s, ids, lo, hi, grid, over_ranks)
 
     def stale(self, atoms: DistributedAtoms) -> str | None:
