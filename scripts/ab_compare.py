@@ -16,7 +16,9 @@ a step that reuses the decomposition, as MD steps do):
   no-edge model (the calculator's own cost per MD step, no pairs);
 - ``emt-rebuild``, ``lj-rebuild``: ``emt`` and ``lj`` with a rebuild at every
   timed step (``calc.request_rebuild()``): what the partition, the halo and the
-  neighbour lists cost.
+  neighbour lists cost;
+- ``emt-md``: ``emt`` as MD (velocity Verlet, 5 fs, from 600 K): the mean of every
+  step, the rebuilds that come as the atoms move included.
 
 Usage::
 
@@ -41,7 +43,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 STEP_MOVE = 1e-3  # Å per step: far below any skin, so every timed step reuses the layout
-CHILD_CASES = ("emt", "lj", "emt-rebuild", "lj-rebuild")  # timed by _child
+CHILD_CASES = ("emt", "lj", "emt-rebuild", "lj-rebuild", "emt-md")  # timed by _child
 
 
 def _child(case: str, steps: int) -> None:
@@ -53,8 +55,8 @@ def _child(case: str, steps: int) -> None:
     from ase_shard import ShardedCalculator
     from ase_shard.models import EMT, LennardJones
 
-    rebuild = case.endswith("-rebuild")
-    case = case.removesuffix("-rebuild")
+    rebuild, md = case.endswith("-rebuild"), case.endswith("-md")
+    case = case.removesuffix("-rebuild").removesuffix("-md")
     if case == "emt":
         atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(20)
         model = EMT()
@@ -66,6 +68,22 @@ def _child(case: str, steps: int) -> None:
     atoms.get_forces()
     rng = np.random.default_rng(7)
     times = []
+    if md:
+        from ase import units
+        from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
+        from ase.md.verlet import VelocityVerlet
+
+        MaxwellBoltzmannDistribution(atoms, temperature_K=600, rng=rng)
+        dynamics = VelocityVerlet(atoms, timestep=5 * units.fs)
+        for _ in range(steps):
+            start = time.perf_counter()
+            dynamics.run(1)
+            times.append(time.perf_counter() - start)
+        if calc.comm.rank == 0:
+            print(json.dumps({"step_s": statistics.fmean(times), "samples_s": times,
+                              "rebuilds": calc.rebuilds,
+                              "source": os.path.dirname(ase_shard.__file__)}))
+        return
     for _ in range(steps):
         atoms.positions += rng.normal(scale=STEP_MOVE / 3**0.5, size=atoms.positions.shape)
         start = time.perf_counter()

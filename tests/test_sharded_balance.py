@@ -184,3 +184,22 @@ def test_work_balance_with_empty_ranks() -> None:
     calc.request_rebuild()
     assert_close_to(results(atoms), ase_results(ASE_CALCULATORS["lj"](), atoms), 1e-10)
     assert_ranks_own_nothing_iff_fewer_atoms(calc, len(atoms))
+
+
+def test_work_balance_with_the_layer_halo() -> None:
+    """A message-passing model whose ghosts' features come from their owners between
+    layers (``halo="layer"``), cut again by work: the one-graph periodic evaluation
+    of the whole system, to 1e-10."""
+    from oracles import evaluate_periodic_graph, relative_errors
+    from toy_models import ToyMessagePassing
+
+    atoms = _interface()
+    model = ToyMessagePassing(cutoff=5.0, num_layers=2)
+    oracle = evaluate_periodic_graph(model, atoms)
+    atoms.calc = calc = ShardedCalculator(model, halo="layer")
+    atoms.get_forces()
+    calc.request_rebuild()
+    got = results(atoms)
+    errors = relative_errors(got, {key: oracle[key] for key in got if key in oracle})
+    assert max(errors.values()) <= 1e-10, errors
+    assert calc.balance.rebalances == (COMM.size > 1)
