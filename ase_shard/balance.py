@@ -16,8 +16,14 @@ ranks' timings. The cuts are kept from rebuild to rebuild, and cut again
 only when the work they give the ranks drifts past :data:`REBALANCE_ABOVE`
 times the mean (as LAMMPS's ``fix balance`` with a threshold): atoms then
 migrate only as they cross the cuts, and domains do not move back and forth
-at every rebuild. Where the results are concerned the cuts are invisible:
-every rank evaluates the same system whichever atoms it owns.
+at every rebuild. Each rebuild first measures the ranks' work, a number per
+rank that the rebuild counts anyway; only when it is off balance are the
+atoms weighed (a count per atom, sent to its owner), and the next partition
+estimates the kept cuts' work from the weights and cuts again if needed.
+Balanced systems (bulk) thus keep their first cuts at no cost per atom, and
+a drift is cut away one rebuild after the rebuild that measured it. Where
+the results are concerned the cuts are invisible: every rank evaluates the
+same system whichever atoms it owns.
 """
 
 from __future__ import annotations
@@ -83,24 +89,41 @@ class WorkCuts:
 
     Attributes
     ----------
+    measured : float or None
+        Most work on one rank over the mean at the last rebuild
+        (:meth:`measure`; the same on every rank); ``None`` before the first.
     weights : (n,) int64 array or None
         The work of each atom the partition will see next (every atom where
         every rank partitions all of them, else this rank's), from the last
-        rebuild's edges (:meth:`record`); ``None`` before the first.
+        rebuild's edges (:meth:`record`); only where that rebuild was off
+        balance, else ``None``.
     cuts : Cuts or None
         The cuts in force.
     rebalances : int
         Times the atoms were cut by their work.
     imbalance : float or None
-        Most work on one rank over the mean under the cuts in force, at the
-        last partition (before any re-cut); ``None`` until weights exist.
+        Most work on one rank over the mean that the cuts in force would give,
+        estimated from the weights at the last partition (before any re-cut);
+        ``None`` where it had no weights.
     """
 
     def __init__(self) -> None:
+        self.measured: float | None = None
         self.weights: np.ndarray | None = None
         self.cuts: Cuts | None = None
         self.rebalances = 0
         self.imbalance: float | None = None
+
+    def measure(self, edges: Sequence[int], owned: Sequence[int]) -> bool:
+        """Take each rank's work at a rebuild: the ``edges`` its blocks list (a pair
+        listed once counting at both its atoms, as in the weights) plus
+        :data:`NODE_WORK` for each atom it ``owned``. Returns whether the atoms
+        should be weighed (:meth:`record`) for the next partition: where the
+        work is off balance, by more than :data:`REBALANCE_ABOVE`."""
+        work = np.asarray(edges, dtype=np.int64) + NODE_WORK * np.asarray(owned, dtype=np.int64)
+        self.measured = max_over_mean(work)
+        self.weights = None
+        return self.measured is not None and self.measured > REBALANCE_ABOVE
 
     def record(self, edges: np.ndarray) -> None:
         """The weights of the atoms the next partition sees: their ``edges`` (in the
@@ -120,23 +143,28 @@ class WorkCuts:
         force while they balance the work, else by new cuts (collective where
         ``over_ranks`` is; the arguments as for
         :func:`ase_shard.partition.balanced_cuts`)."""
+        kept = self.cuts is not None and self.cuts.grid == tuple(grid)
+        self.imbalance = None
         weights = self.weights
-        # by weight only if every rank has its atoms' (one that lost them, its atoms
-        # added to or deleted, would otherwise leave the others in another collective)
-        missing = weights is None or len(weights) != len(s)
-        if over_ranks.sum(np.array([missing], dtype=np.int64))[0]:
-            weights = None
         if weights is None:
-            self.imbalance = None
-        elif self.cuts is not None and self.cuts.grid == tuple(grid):
+            # every rank measured the same work: balanced at the last rebuild (keep
+            # the cuts), or nothing known yet (cut by count, by work at a rebuild
+            # that measures an imbalance)
+            if kept and self.measured is not None:
+                return owners_at(s, ids, self.cuts)
+        # weighed on every rank; by weight only if every rank still has its atoms'
+        # (one with atoms added or deleted would otherwise leave the others in
+        # another collective)
+        elif over_ranks.sum(np.array([len(weights) != len(s)], dtype=np.int64))[0]:
+            weights = None
+        elif kept:
             owners = owners_at(s, ids, self.cuts)
             ranks = int(np.prod(grid))
             work = over_ranks.sum(np.bincount(owners, weights, ranks).astype(np.int64))
             self.imbalance = max_over_mean(work)
             if self.imbalance is None or self.imbalance <= REBALANCE_ABOVE:
                 return owners
-        # no cuts yet, a new grid, or cuts that no longer balance (or no weights yet:
-        # cut by count, and by work at the next rebuild)
+        # no cuts yet, a new grid, or cuts that no longer balance
         balanced = balanced_cuts(s, ids, lo, hi, grid, over_ranks, weights)
         self.cuts = balanced.cuts
         if weights is not None:

@@ -462,6 +462,11 @@ class LocalBlock:
             counts += torch.bincount(self.neighbour, minlength=self.n_nodes)
         return counts.cpu().numpy()
 
+    def listed_work(self) -> int:
+        """The edges this block lists, a pair listed once counting twice (at both its
+        atoms, as :meth:`node_edges` counts it): its rank's load."""
+        return int(self.centre.shape[0]) * (2 if self._listed_once else 1)
+
     def pad(self, capacity: Capacities) -> None:
         """Give the compiled model graphs of these sizes from now on."""
         self.capacity = capacity

@@ -538,12 +538,14 @@ class ShardedCalculator(Calculator):
                 planned.n_nodes,
                 len(planned.send_index),
                 self._listed_edges(),
+                sum(block.listed_work() for block in self._term_blocks()),
             )
             return counts, [block.needed() for block in self._term_blocks()]
 
         views = self.comm.share(own_block)
         state.counts = np.array([view[0] for view in views], dtype=np.int64)
-        if layout.work_cuts is not None:
+        work_cuts = layout.work_cuts
+        if work_cuts is not None and work_cuts.measure(state.counts[:, 5], state.counts[:, 1]):
             with self.timer.phase("partition"):  # the next partition's weights
                 edges = sum(block.node_edges() for block in self._term_blocks())
                 # a pair listed on one rank is the work of its other atom's too

@@ -25,8 +25,10 @@ includes the rebuilds) and their ratio, work / count::
 ``--md STEPS``: a moving interface. ``ar-interface`` (``--size``, default 10: 4,666
 atoms) under Langevin at ``--temperature`` (default 160 K, above argon's critical
 point, so the liquid evaporates into the box), ``balance="work"``. At every rebuild
-it records the work imbalance the kept cuts would give (the calculator's estimate,
-before any re-cut), whether the atoms were cut again, and two imbalances counted
+it records the work imbalance the rebuild measured (``measured``), the one the kept
+cuts would give by the atoms' weights where it had weighed them at the rebuild
+before (``estimate``, before any re-cut), whether the atoms were cut again, and
+two imbalances counted
 with ASE's neighbour list: of the owners in force, and of count-balanced owners on
 the same grid. ``--plot PNG`` draws them::
 
@@ -166,6 +168,7 @@ def moving_interface(size: int, steps: int, temperature: float) -> dict:
             {
                 "step": dynamics.nsteps,
                 "rebuild": calc.rebuilds,
+                "measured": work_cuts.measured,
                 "estimate": work_cuts.imbalance,
                 "rebalanced": work_cuts.rebalances > seen[1],
                 "pairs_max_over_mean": max_over_mean(

@@ -20,6 +20,7 @@ from sharded import (
 )
 
 from ase_shard import ShardedCalculator, distribute
+from ase_shard.balance import NODE_WORK, REBALANCE_ABOVE, max_over_mean
 from ase_shard.distributed import GLOBAL_ID
 from ase_shard.md import ASE_CALCULATORS, MODELS
 from ase_shard.models import EMT, LennardJones
@@ -126,13 +127,49 @@ def test_rebalances_when_the_work_moves_and_only_then() -> None:
         atoms.get_forces()
     assert calc.rebuilds == 5
     assert calc.balance.rebalances == (COMM.size > 1)
-    # the liquid moves by a third of the box: the work the cuts give the ranks changes
+    # the liquid moves by a third of the box: the work the kept cuts give the ranks
+    # changes; the rebuild measures it (and may cut at once where it had weighed the
+    # atoms, still off balance by the measure), the next one cuts again
     atoms.positions[:, 2] += atoms.cell[2, 2] / 3.0
+    atoms.get_forces()
+    if COMM.size > 1:
+        work_cuts = calc.layout.work_cuts
+        assert calc.balance.rebalances == 2 or work_cuts.measured > REBALANCE_ABOVE
+    calc.request_rebuild()
     got = results(atoms)
     assert calc.balance.rebalances == 2 * (COMM.size > 1)
     if COMM.size > 1:
         assert _pair_imbalance(atoms, calc.decomposition.owners) <= 1.05
     assert_close_to(got, results(_with(atoms, reference)), 1e-12)
+
+
+def test_balanced_work_keeps_the_cuts_and_weighs_nothing() -> None:
+    """Bulk: the work each rank's edges measure is even under the first cut (by count),
+    so no atom is weighed and the cuts stay while the atoms move a little, over
+    several rebuilds; ASE's results throughout. (The cuts pass through lattice
+    planes, 50 atoms each here: moves of 0.02 Å carry enough of them across to
+    tip 250 atoms a rank past :data:`REBALANCE_ABOVE`, and the atoms are weighed.)"""
+    atoms = _atoms()
+    calc = ShardedCalculator(EMT(), skin=SKIN)
+    atoms.calc = calc
+    atoms.get_forces()
+    work_cuts = calc.layout.work_cuts
+    first = None if work_cuts is None else work_cuts.cuts
+    rng = np.random.default_rng(5)
+    for _ in range(3):
+        atoms.positions += rng.normal(0.0, 0.003, atoms.positions.shape)
+        calc.request_rebuild()
+        got = results(atoms)
+        assert_close_to(got, ase_results(ASE_CALCULATORS["emt"](), atoms), 1e-10)
+    assert calc.rebuilds == 4
+    if COMM.size > 1:
+        # the measure: every rank's edges (EMT lists a pair once: it counts at both
+        # atoms) and its atoms
+        balance = calc.balance
+        work = 2 * np.asarray(balance.edges) + NODE_WORK * np.asarray(balance.owned)
+        assert work_cuts.measured == max_over_mean(work) <= REBALANCE_ABOVE
+        assert work_cuts.weights is None and balance.rebalances == 0
+        assert work_cuts.cuts is first  # the first cut (by count), kept
 
 
 def _with(atoms, calc):

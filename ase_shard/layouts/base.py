@@ -145,9 +145,10 @@ class Decomposition:
     owned_positions : (n_owned, 3) array or None
         Owned atoms at the build (Å), for the rebuild test; set once the node
         rows are read.
-    counts : (P, 4) int array or None
-        Rows, owned atoms, nodes and sent rows of every rank; set once every
-        rank has built its block.
+    counts : (P, 6) int array or None
+        Rows, owned atoms, nodes, sent rows, listed edges and the edges' work
+        (:meth:`ase_shard.block.LocalBlock.listed_work`) of every rank; set once
+        every rank has built its block.
     """
 
     n_atoms: int
