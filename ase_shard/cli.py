@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, or a usage error already reported
         return int(exc.code or 0)
+    args.given = given_options(sys.argv[1:] if argv is None else argv)
     try:
         return args.run(args)
     except KeyboardInterrupt:  # a second Ctrl-C, or one outside the MD loop
@@ -133,6 +134,19 @@ def main(argv: list[str] | None = None) -> int:
         message = str(exc) if isinstance(exc, CLIError) else f"{type(exc).__name__}: {exc}"
         parprint(f"ase-shard {args.command}: error: {' '.join(message.split())}", file=sys.stderr)
         return 2
+
+
+def given_options(argv: list[str]) -> frozenset[str]:
+    """The options ``argv`` gives (their ``dest``), not those left at their defaults:
+    ``argv`` parsed again with every default of every command suppressed."""
+    parser = build_parser()
+    # argparse keeps a parser's commands on its subparsers action only
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for command in commands.choices.values():
+        command._defaults.clear()
+        for action in command._actions:
+            action.default = argparse.SUPPRESS
+    return frozenset(vars(parser.parse_args(argv))) - {"command"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -302,6 +316,29 @@ def add_md(subparsers: argparse._SubParsersAction) -> None:
         "and log rows are gathered to rank 0 every --interval steps",
     )
     md.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
+    md.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="write the run's whole state to DIR every --checkpoint-every steps, at the "
+        "end, and when stopped by a signal: the atoms with every array, the integrator's "
+        "variables and random state, the model and these options (each rank its own "
+        "atoms with --distributed); written atomically, the last --checkpoint-keep kept",
+    )
+    md.add_argument(
+        "--checkpoint-every", type=POSITIVE_INT, default=1000, help="steps (default 1000)"
+    )
+    md.add_argument(
+        "--checkpoint-keep", type=POSITIVE_INT, default=2, help="checkpoints kept (default 2)"
+    )
+    md.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue the run whose checkpoints are in DIR from the newest: the same "
+        "system, model, ensemble, options and random numbers, to the step it was to end "
+        "at (or --steps); frames and log rows written after the checkpoint are dropped "
+        "and written again; exits 0 at once when the run is complete. Any number of "
+        "ranks; options that change the run are refused",
+    )
     md.set_defaults(run=run_md)
 
 
@@ -334,6 +371,11 @@ def run_md(args: argparse.Namespace) -> int:
     """``ase-shard md``: check the arguments, then :func:`ase_shard.md.run`."""
     if args.restart is not None and (args.structure or args.system or args.size):
         raise CLIError("--restart continues a trajectory: give no STRUCTURE, --system or --size")
+    if args.resume is not None and (args.structure or args.system or args.size or args.restart):
+        raise CLIError(
+            "--resume continues a checkpointed run: give no STRUCTURE, --system, --size or "
+            "--restart"
+        )
     check_system_args(args)
     spec = None if args.model is None else resolve_model(args.model)
     from ase_shard import md  # torch and the calculator: only now

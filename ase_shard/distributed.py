@@ -191,7 +191,7 @@ def _unpack(rows: np.ndarray, layout: list) -> dict[str, np.ndarray]:
     return arrays
 
 
-def _agreed_layout(atoms: Atoms, comm: Comm) -> list:
+def agreed_layout(atoms: Atoms, comm: Comm) -> list:
     """The union of every rank's per-atom arrays (collective; raises on every rank).
 
     A rank without an array (e.g. no momenta yet) migrates zeros for it, as
@@ -221,7 +221,7 @@ def migrate(atoms: DistributedAtoms, owners: np.ndarray) -> np.ndarray:
     rank's atoms before, or -1 for atoms received from other ranks.
     """
     comm = atoms.comm
-    layout = _agreed_layout(atoms, comm)
+    layout = agreed_layout(atoms, comm)
     order = np.argsort(owners, kind="stable")
     send_counts = np.bincount(owners, minlength=comm.size).astype(np.int64)
     recv_counts = comm.alltoall_counts(send_counts)
@@ -291,7 +291,7 @@ def _packed_copy(atoms: Any, n_global: int, layout: list) -> np.ndarray | None:
         return None
     if len(atoms) != n_global:
         return None
-    arrays = _with_ids(atoms).arrays
+    arrays = with_global_ids(atoms).arrays
     if any(name not in arrays for name, _, _ in layout):
         return None
     try:
@@ -305,7 +305,7 @@ def rows_width(layout: list) -> int:
     return sum(np.dtype(d).itemsize * int(np.prod(s, dtype=np.int64)) for _, d, s in layout)
 
 
-def _with_ids(atoms: Atoms) -> Atoms:
+def with_global_ids(atoms: Atoms) -> Atoms:
     """``atoms`` with a ``"global_id"`` array (its own, when it has one)."""
     if GLOBAL_ID in atoms.arrays:
         return atoms
@@ -325,7 +325,7 @@ def _header(atoms: Atoms | None) -> tuple:
             "distribute: constraints are not supported on distributed atoms (their atom "
             f"indices would not follow migrating atoms): {atoms.constraints}"
         )
-    layout = _layout(_with_ids(atoms).arrays)
+    layout = _layout(with_global_ids(atoms).arrays)
     return len(atoms), layout, atoms.cell.array.copy(), atoms.pbc.copy(), dict(atoms.info)
 
 
@@ -336,7 +336,7 @@ def gather(local: DistributedAtoms, *, root: int = 0) -> Atoms | None:
     cell, pbc and info are those of ``local``.
     """
     comm = local.comm
-    layout = _agreed_layout(local, comm)
+    layout = agreed_layout(local, comm)
     counts = comm.allgather(len(local))
     rows = comm.gather_rows(_pack(local.arrays, layout), counts, root=root)
     if comm.rank != root:

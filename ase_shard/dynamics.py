@@ -6,7 +6,8 @@ ASE's ``VelocityVerlet`` and ``Bussi`` already obey both rules; the classes
 here are thin subclasses of ASE's own that do too:
 
 - :class:`Langevin` carries its velocities and random kicks through the force
-  call in ``atoms.arrays`` and draws its noise from one stream per rank;
+  call in ``atoms.arrays`` and draws each atom's noise by its global id and the
+  step, the same on any number of ranks;
 - :class:`NoseHooverChainNVT` and :class:`IsotropicMTKNPT` re-read positions,
   momenta and masses from the atoms after every force call and sum the kinetic
   terms of the thermostat and barostat over ranks;
@@ -32,8 +33,8 @@ from ase.md import langevin, nose_hoover_chain
 from ase.optimize import fire
 from ase.optimize.optimize import OptimizableAtoms
 
-from ase_shard.comm import Comm
-from ase_shard.distributed import DistributedAtoms
+from ase_shard.distributed import GLOBAL_ID, DistributedAtoms
+from ase_shard.noise import AtomNoise
 
 # per-atom arrays that carry a driver's state through force calls (they migrate)
 LANGEVIN_VELOCITIES = "ase_shard_langevin_velocities"
@@ -50,31 +51,18 @@ def over_ranks(atoms: Atoms, value: Any) -> Any:
     return atoms.sum_over_ranks(value) if isinstance(atoms, DistributedAtoms) else value
 
 
-def rank_stream(rng: Any, comm: Comm) -> np.random.Generator:
-    """A random generator for this rank, independent of the other ranks'.
-
-    Parameters
-    ----------
-    rng : numpy.random.Generator, RandomState or the ``numpy.random`` module
-        One seed is drawn from it. Seeded alike on every rank, it makes the
-        run reproducible for a given rank count; the streams still differ
-        between ranks (``SeedSequence`` spawn key = rank).
-    comm : ase_shard.comm.Comm
-    """
-    draw = getattr(rng, "integers", None) or rng.randint
-    seed = int(draw(2**63, dtype=np.int64))
-    return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(comm.rank,)))
-
-
 class Langevin(langevin.Langevin):
     """ASE's Langevin (NVT) dynamics, also on :class:`DistributedAtoms`.
 
     Same parameters as :class:`ase.md.langevin.Langevin`. On distributed atoms
-    each rank draws the noise of its own atoms: from ``rng`` itself on one
-    rank (then the run equals ASE's on the gathered atoms), from
-    :func:`rank_stream` on several. ``fixcm`` removes the total random
-    momentum and displacement over all ranks. Temperature and friction must
-    be scalars there (per-atom values would not follow migrating atoms).
+    the noise of an atom at a step is keyed by its global id and the step
+    (:class:`~ase_shard.noise.AtomNoise`, its seed one number drawn from
+    ``rng`` on rank 0): whichever rank holds an atom draws the same numbers for
+    it, so a run is the same on any number of ranks (to round-off) and resumes
+    from a checkpoint exactly; it equals ASE's own ``Langevin`` on the gathered
+    atoms given these numbers. ``fixcm`` removes the total random momentum and
+    displacement over all ranks. Temperature and friction must be scalars there
+    (per-atom values would not follow migrating atoms).
     """
 
     distributed_safe = True
@@ -87,8 +75,9 @@ class Langevin(langevin.Langevin):
                     "Langevin on DistributedAtoms takes a scalar temperature and friction: "
                     "per-atom values would not follow atoms migrating between ranks"
                 )
-            if atoms.comm.size > 1:
-                self.rng = rank_stream(self.rng, atoms.comm)
+            draw = getattr(self.rng, "integers", None) or self.rng.randint
+            seed = int(draw(2**63, dtype=np.int64)) if atoms.comm.is_root else None
+            self.noise = AtomNoise(atoms.comm.bcast(seed))
 
     def step(self, forces: np.ndarray | None = None) -> np.ndarray:
         """One step (ASE's Eq. 23 of Vanden-Eijnden and Ciccotti); forces in eV/Å.
@@ -108,8 +97,9 @@ class Langevin(langevin.Langevin):
         self.masses = atoms.get_masses()[:, np.newaxis]
         self.updatevars()
         self.v = atoms.get_velocities()
-        xi = self.rng.standard_normal(size=(len(atoms), 3))
-        eta = self.rng.standard_normal(size=(len(atoms), 3))
+        ids = atoms.arrays[GLOBAL_ID]
+        xi = self.noise.normals(ids, self.nsteps, draw=0)
+        eta = self.noise.normals(ids, self.nsteps, draw=1)
         self.rnd_pos = self.c5 * eta
         self.rnd_vel = self.c3 * xi - self.c4 * eta
         if self.fix_com:

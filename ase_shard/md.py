@@ -51,7 +51,7 @@ from ase.calculators.lj import LennardJones as AseLennardJones
 from ase.calculators.morse import MorsePotential as AseMorse
 from ase.calculators.singlepoint import SinglePointCalculator
 from ase.constraints import FixCom
-from ase.io import Trajectory, write
+from ase.io import Trajectory, iread, write
 from ase.io.formats import filetype, ioformats
 from ase.md.langevin import Langevin
 from ase.md.md import MolecularDynamics
@@ -63,6 +63,7 @@ from ase.parallel import parprint, world
 
 from ase_shard.balance import max_over_mean
 from ase_shard.calculator import ShardedCalculator
+from ase_shard.checkpoint import Saved, read_checkpoint, restore_dynamics, write_checkpoint
 from ase_shard.comm import Comm
 from ase_shard.distributed import GLOBAL_ID, DistributedAtoms, distribute
 from ase_shard.memory import peak_memory
@@ -111,6 +112,25 @@ STOP_SIGNALS = tuple(
 )
 EXIT_UNSTABLE = 1
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report an interrupted command
+
+# what a checkpoint records of the command line, for --resume (the model and the
+# thermostat's and barostat's targets are in its Physics)
+RUN_OPTIONS = (
+    "ensemble",
+    "timestep",
+    "seed",
+    "friction",
+    "taut",
+    "taup",
+    "pressure",
+    "dtype",
+    "distributed",
+    "trajectory",
+    "log",
+    "interval",
+    "checkpoint_every",
+    "checkpoint_keep",
+)
 
 STEP_KEY = "md_step"  # atoms.info of each frame: the MD step ...
 TIME_KEY = "md_time_fs"  # ... and the simulated time, fs
@@ -217,6 +237,10 @@ class Physics:
 
 def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
     """``ase-shard md`` on this rank; returns the exit code (see :func:`ase_shard.cli.main`)."""
+    saved = None
+    if args.resume is not None:
+        saved = read_checkpoint(args.resume)
+        resume_options(args, saved)
     writer_path = args.trajectory or args.restart
     check_trajectory_format(writer_path)
     if args.distributed and args.ensemble not in DISTRIBUTED_ENSEMBLES:
@@ -233,12 +257,25 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
         coulomb = restart_option(args.restart, "coulomb", recorded, coulomb)
         defaults = FILE_DEFAULTS if recorded is None else recorded.defaults
         label = f"{args.restart} from step {start.step}"
+    elif saved is not None:
+        atoms, recorded = saved.atoms, Physics.from_info(saved.record["physics"])
+        start = Start(saved.step, float(saved.record["run"]["time_fs"]))
+        resumed = partial(restart_option, args.resume, recorded=recorded, flag="--resume")
+        spec, modality = restart_model(args.resume, recorded, spec, modality, flag="--resume")
+        reach = resumed(option="interaction_range", given=reach)
+        d3 = resumed(option="d3", given=d3)
+        coulomb = resumed(option="coulomb", given=coulomb)
+        for option in ("temperature", "compressibility"):
+            resumed(option=option, given=getattr(args, option))
+        defaults = recorded.defaults
+        label = f"{args.resume} from step {start.step}"
     else:
         (atoms, defaults, label), start = load_system(args), Start()
         spec = spec or resolve_model(defaults.model)
-    # the steps this command runs: with --upto, those left before step --steps
-    steps = max(args.steps - start.step, 0) if args.upto else args.steps
-    if args.upto and steps == 0:
+    # the steps this command runs: with --upto (and --resume), those left before step --steps
+    upto = args.upto or saved is not None
+    steps = max(args.steps - start.step, 0) if upto else args.steps
+    if upto and steps == 0:
         parprint(
             f"ase-shard md: {label}: step {args.steps} already reached (--upto), nothing to run",
             flush=True,
@@ -262,17 +299,22 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
             defaults.compressibility if args.compressibility is None else args.compressibility
         ),
     )
-    rng = np.random.default_rng(args.seed)  # the same numbers on every rank
-    draw = args.restart is None and (args.temperature is not None or not atoms.get_momenta().any())
+    # the same numbers on every rank; a resumed run's generators take the checkpoint's
+    # state (where it has one for them), else draw anew for the steps from here
+    rng = np.random.default_rng(args.seed if saved is None else [args.seed, start.step])
+    draw = args.restart is None and saved is None
+    draw = draw and (args.temperature is not None or not atoms.get_momenta().any())
     if draw:
         thermalise(atoms, target, rng)
-    if args.distributed:
+    if args.distributed and saved is None:
         atoms = distribute(atoms)  # every rank holds the same atoms: each keeps its share
     calc = make_calculator(build_model(spec, modality, args.dtype, reach, d3, coulomb), args)
     atoms.calc = calc
     dyn = make_dynamics(atoms, args, physics, rng)
     if draw:
         set_temperature(atoms, target)  # after the dynamics' constraints remove their dof
+    if saved is not None:
+        restore_dynamics(dyn, saved)  # the integrator's own variables and noise
     dyn.nsteps = start.step  # observers run on absolute step numbers
     reference = target if args.ensemble in THERMOSTATS else atoms.get_temperature()
     warn_barostat_axes(atoms, args.ensemble)
@@ -296,14 +338,31 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
             stack.callback(progress.close)  # ends the bar's line, also before a message
         dyn.attach(guard, interval=1)  # first: no frame of a blown-up step is written
         writer = None
+        if saved is not None and world.rank == 0:  # what was written after the checkpoint goes
+            if args.trajectory and os.path.exists(args.trajectory):
+                cut_back_frames(args.trajectory, start.step)
+            if args.log and args.log != "-" and os.path.exists(args.log):
+                cut_back_rows(args.log, start.step)
         if writer_path:
             append = args.restart is not None and _same_file(writer_path, args.restart)
+            append = append or saved is not None
             writer = stack.enter_context(FrameWriter(writer_path, append, physics))
             dyn.attach(lambda: writer.write(atoms, dyn.nsteps, clock(dyn.nsteps)), args.interval)
         if args.log:
             barostat = args.ensemble == "npt-berendsen"
-            logger = stack.enter_context(Logger(args.log, atoms, barostat, args.restart))
+            continued = args.restart is not None or saved is not None
+            logger = stack.enter_context(Logger(args.log, atoms, barostat, continued))
             dyn.attach(lambda: logger.write(dyn.nsteps, clock(dyn.nsteps)), args.interval)
+        checkpoint = None
+        if args.checkpoint:  # after the frame and the row of its step: none is missed
+
+            def checkpoint() -> None:
+                run = {name: getattr(args, name) for name in RUN_OPTIONS}
+                run.update(steps=start.step + steps, time_fs=clock(dyn.nsteps))
+                record = {"run": run, "physics": physics.info()}
+                write_checkpoint(args.checkpoint, atoms, dyn, record, keep=args.checkpoint_keep)
+
+            dyn.attach(checkpoint, interval=args.checkpoint_every)
         dyn.attach(tracker, interval=1)
         begin = time.perf_counter()
         if start.step:  # irun calls no observer before the first step of a restart
@@ -322,6 +381,8 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
         interrupted = dyn.nsteps < start.step + steps
         if interrupted and writer is not None and dyn.nsteps % args.interval:
             writer.write(atoms, dyn.nsteps, clock(dyn.nsteps))  # the step it stopped at
+        if checkpoint is not None:
+            checkpoint()  # the last step, done or stopped at (once: a step is written once)
     done = dyn.nsteps - start.step
     timing = Timing(wall=end - begin, first_call=tracker.first_call - begin)
     print_summary(atoms, done, timing, calc, tracker, args.ensemble)
@@ -467,9 +528,14 @@ def read_restart(path: str) -> tuple[Atoms, Start, Physics | None]:
 
 
 def restart_model(
-    path: str, recorded: Physics | None, spec: ModelSpec | None, modality: str | None
+    path: str,
+    recorded: Physics | None,
+    spec: ModelSpec | None,
+    modality: str | None,
+    flag: str = "--restart",
 ) -> tuple[ModelSpec, str | None]:
-    """The model and modality of ``--restart path``: those the frames record.
+    """The model and modality of ``--restart path`` (or ``--resume path``: ``flag``):
+    those the frames (the checkpoint) record.
 
     ``spec`` and ``modality`` are the command line's (``None``: not given).
 
@@ -488,16 +554,20 @@ def restart_model(
                 "that wrote them"
             )
         return spec, modality
-    written = f"--restart {path} was written with --model {recorded.model}"
+    written = f"{flag} {path} was written with --model {recorded.model}"
     try:
         model = resolve_model(recorded.model)
     except CLIError as exc:
         raise CLIError(f"{written}, which is not available here: {exc}") from None
     if spec is not None and not same_model(spec, model):
+        new_run = (
+            f", or start a new run from its last frame (ase-shard md {path} --model "
+            f"{spec.label})"
+        )
         raise CLIError(
             f"{written}, not {spec.label}: a restart runs the model that wrote the "
-            "trajectory; leave --model out, or start a new run from its last frame "
-            f"(ase-shard md {path} --model {spec.label})"
+            f"{'trajectory' if flag == '--restart' else 'checkpoint'}; leave --model out"
+            + (new_run if flag == "--restart" else "")
         )
     if model_parameters(model) != recorded.parameters:
         raise CLIError(
@@ -510,11 +580,15 @@ def restart_model(
 
 
 def restart_option(
-    path: str, option: str, recorded: Physics | None, given: float | str | None
+    path: str,
+    option: str,
+    recorded: Physics | None,
+    given: float | str | None,
+    flag: str = "--restart",
 ) -> float | str | None:
-    """A model option of ``--restart path`` (``option``: ``"interaction_range"``,
-    ``"d3"`` or ``"coulomb"``): the recorded value; ``given`` (the command line's) where nothing is
-    recorded.
+    """A model option of ``--restart path`` (or ``--resume path``: ``flag``; ``option``:
+    ``"interaction_range"``, ``"d3"`` or ``"coulomb"``): the recorded value; ``given``
+    (the command line's) where nothing is recorded.
 
     Raises
     ------
@@ -525,12 +599,74 @@ def restart_option(
         return given
     was = getattr(recorded, option)
     if given is not None and given != was:
-        flag = "--" + option.replace("_", "-")
         raise CLIError(
-            f"--restart {path} was written with {flag} {'(none)' if was is None else was}, "
-            f"not {given}"
+            f"{flag} {path} was written with --{option.replace('_', '-')} "
+            f"{'(none)' if was is None else was}, not {given}"
         )
     return was
+
+
+def resume_options(args: argparse.Namespace, saved: Saved) -> None:
+    """Set ``args`` to the run ``--resume`` continues: the options its checkpoint records
+    (:data:`RUN_OPTIONS`), ``--steps`` (the step to end at) unless given anew, and
+    ``--checkpoint`` (the same directory) unless given.
+
+    Raises
+    ------
+    CLIError
+        When the command line gives one of :data:`RUN_OPTIONS` another value.
+    """
+    given = getattr(args, "given", frozenset())
+    run = saved.record["run"]
+    for option in RUN_OPTIONS:
+        if option in given and getattr(args, option) != run[option]:
+            flag = "--" + option.replace("_", "-")
+            raise CLIError(
+                f"--resume {args.resume} continues a run with {flag} {run[option]}, not "
+                f"{getattr(args, option)}: leave {flag} out (or start a new run)"
+            )
+        setattr(args, option, run[option])
+    if "steps" not in given:
+        args.steps = run["steps"]
+    if args.checkpoint is None:
+        args.checkpoint = args.resume
+
+
+def cut_back_frames(path: str, step: int) -> None:
+    """Drop the frames a trajectory holds after ``step`` (a run resumed from that step's
+    checkpoint writes them again), and a frame cut short by a kill: the frames up to
+    the first with a later step or none readable are kept. The file is written anew
+    (beside it, then renamed over it) only when a frame goes."""
+    frames, complete = [], True
+    try:
+        for image in iread(path, index=":", parallel=False):
+            if int(image.info.get(STEP_KEY, -1)) > step:
+                complete = False
+                break
+            frames.append(image)
+    except Exception:  # the last frame, cut short by a kill
+        complete = False
+    if not complete:
+        temporary = f"{path}.cut-{os.getpid()}"
+        write(temporary, frames, format=filetype(path, read=False), parallel=False)
+        os.replace(temporary, path)
+
+
+def cut_back_rows(path: str, step: int) -> None:
+    """:func:`cut_back_frames` for a ``--log`` table: its rows after ``step`` go, and a
+    last row cut short."""
+    with open(path) as handle:
+        lines = handle.readlines()
+    kept = [
+        line
+        for line in lines
+        if line.endswith("\n") and (line.startswith("#") or int(line.split()[0]) <= step)
+    ]
+    if kept != lines:
+        temporary = f"{path}.cut-{os.getpid()}"
+        with open(temporary, "w") as handle:
+            handle.writelines(kept)
+        os.replace(temporary, path)
 
 
 def model_parameters(spec: ModelSpec) -> str:
@@ -715,7 +851,7 @@ class Logger:
     and with a barostat the pressure (GPa, ideal-gas part included, as the barostat
     sees it) and the volume (Å³). ``-`` writes to stdout."""
 
-    def __init__(self, path: str, atoms: Atoms, barostat: bool, restart: str | None):
+    def __init__(self, path: str, atoms: Atoms, barostat: bool, continued: bool):
         self.atoms = atoms
         self.barostat = barostat
         self.stream: TextIO | None = None
@@ -725,8 +861,8 @@ class Logger:
         if not self.own:
             self.stream = sys.stdout
         else:
-            self.stream = open(path, "a" if restart else "w")
-        if not (self.own and restart and self.stream.tell()):
+            self.stream = open(path, "a" if continued else "w")
+        if not (self.own and continued and self.stream.tell()):
             columns = "# step  time[ps]  Etot/N[eV]  Epot/N[eV]  Ekin/N[eV]      T[K]"
             self._line(columns + ("    P[GPa]     V[Å^3]" if barostat else ""))
 

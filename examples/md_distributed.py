@@ -69,7 +69,8 @@ def main() -> None:
         f"over {comm.size} MPI rank(s); {args.steps} steps of 2 fs at {args.temperature:g} K"
     )
 
-    # each rank draws the noise of its own atoms (ase_shard.dynamics.rank_stream)
+    # each atom's noise is keyed by its id and the step (ase_shard.noise.AtomNoise):
+    # the run is the same on any number of ranks
     dyn = Langevin(
         atoms,
         timestep=2 * units.fs,

@@ -1,0 +1,211 @@
+"""``ase-shard md --checkpoint DIR`` and ``--resume DIR``: a run killed with SIGKILL at
+random moments and resumed each time ends where the same run without a stop ends, its
+trajectory and log whole (no frame or row twice, none missing); NVE on distributed atoms
+resumed on 2, then 3, then 1 rank(s); SIGTERM, also in the middle of a write, leaves a
+checkpoint to resume from; options that would change the run are refused."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+from ase.io import read
+
+from ase_shard import checkpoint as checkpoint_module
+from ase_shard.checkpoint import checkpoints, read_checkpoint
+from ase_shard.cli import main
+
+pytestmark = pytest.mark.timeout(600)
+MPIRUN = Path(sys.executable).parent / "mpirun"
+STEPS = 300
+RUN = ["md", "--system", "cu-bulk", "--size", "3", "--steps", str(STEPS), "--timestep", "2",
+       "--trajectory", "run.traj", "--interval", "10", "--log", "run.log", "--no-progress"]
+
+
+def env() -> dict[str, str]:
+    allow = ("OMPI", "PRTE")
+    flags = {f"{p}_ALLOW_RUN_AS_ROOT{s}": "1" for p in allow for s in ("", "_CONFIRM")}
+    return dict(os.environ, OMP_NUM_THREADS="1", **flags)
+
+
+def command(ranks: int, *argv: str) -> list[str]:
+    """``ase-shard`` with ``argv`` on ``ranks`` ranks."""
+    return [str(MPIRUN), "--oversubscribe", "-n", str(ranks), sys.executable, "-m",
+            "ase_shard.cli", *argv]
+
+
+def finish(folder: Path, ranks: int, *argv: str) -> subprocess.CompletedProcess:
+    done = subprocess.run(command(ranks, *argv), cwd=folder, env=env(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def logged_step(folder: Path) -> int:
+    """The step of the last whole row of ``run.log`` (-1 before the first)."""
+    path = folder / "run.log"
+    rows = path.read_text().splitlines(keepends=True) if path.exists() else []
+    rows = [row for row in rows if row.endswith("\n") and not row.startswith("#")]
+    return int(rows[-1].split()[0]) if rows else -1
+
+
+def killed_at_a_random_step(folder: Path, ranks: int, argv: list[str], rng) -> int:
+    """Launch ``argv`` and SIGKILL all its processes once ``run.log`` shows a step drawn
+    at random 20-80 steps past where it stood; returns that step."""
+    target = max(logged_step(folder), 0) + rng.randrange(20, 80)
+    process = subprocess.Popen(command(ranks, *argv), cwd=folder, env=env(),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while logged_step(folder) < target:
+        assert process.poll() is None, process.stderr.read()  # it must not end first
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    # as a batch system ends a job: every process at once (Open MPI puts each rank in a
+    # process group of its own, so killing mpirun's group would leave the ranks running)
+    launcher = psutil.Process(process.pid)
+    family = [*launcher.children(recursive=True), launcher]
+    for each in family:
+        each.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+    psutil.wait_procs(family, timeout=60)
+    return target
+
+
+def assert_same_run(resumed: Path, uninterrupted: Path) -> None:
+    """The last frames agree to 1e-10 Å; the frames' steps and the log's rows are the
+    uninterrupted run's, each once."""
+    got, expected = read(resumed / "run.traj", ":"), read(uninterrupted / "run.traj", ":")
+    assert [f.info["md_step"] for f in got] == [f.info["md_step"] for f in expected]
+    assert np.abs(got[-1].positions - expected[-1].positions).max() <= 1e-10
+    assert np.abs(got[-1].get_momenta() - expected[-1].get_momenta()).max() <= 1e-10
+    rows = [
+        [line.split()[0] for line in (folder / "run.log").read_text().splitlines()]
+        for folder in (resumed, uninterrupted)
+    ]
+    assert rows[0] == rows[1]
+
+
+@pytest.mark.parametrize("ensemble", ["nve", "langevin", "nvt-berendsen"])
+def test_killed_three_times_and_resumed_equals_one_run(tmp_path: Path, ensemble: str) -> None:
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    whole.mkdir()
+    stopped.mkdir()
+    argv = [*RUN, "--ensemble", ensemble]
+    finish(whole, 2, *argv)
+    rng = random.Random(ensemble)
+    launches = [[*argv, "--checkpoint", "ck", "--checkpoint-every", "20"]]
+    launches += [["md", "--resume", "ck", "--no-progress"]] * 2
+    for launch in launches:
+        killed_at_a_random_step(stopped, 2, launch, rng)
+    done = finish(stopped, 2, "md", "--resume", "ck", "--no-progress")
+    assert "ase-shard md: ck from step" in done.stdout
+    assert_same_run(stopped, whole)
+    assert len(checkpoints(stopped / "ck")) == 2  # --checkpoint-keep
+    assert read_checkpoint(stopped / "ck").step == STEPS
+    # resubmitted once more: nothing left to run
+    again = finish(stopped, 2, "md", "--resume", "ck", "--no-progress")
+    assert f"step {STEPS} already reached" in again.stdout
+
+
+def test_distributed_nve_resumed_on_other_rank_counts(tmp_path: Path) -> None:
+    """2 ranks to step 100, 3 ranks to 200, 1 rank to 300: the uninterrupted 2-rank run's
+    end within 1e-8 Å (the forces' sums run in another order on other ranks)."""
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    whole.mkdir()
+    stopped.mkdir()
+    argv = [*RUN, "--distributed", "--checkpoint", "ck", "--checkpoint-every", "50"]
+    finish(whole, 2, *argv)
+    finish(stopped, 2, *[word if word != str(STEPS) else "100" for word in argv])
+    finish(stopped, 3, "md", "--resume", "ck", "--steps", "200", "--no-progress")
+    finish(stopped, 1, "md", "--resume", "ck", "--steps", str(STEPS), "--no-progress")
+    got, expected = read(stopped / "run.traj", ":"), read(whole / "run.traj", ":")
+    assert [f.info["md_step"] for f in got] == [f.info["md_step"] for f in expected]
+    assert np.abs(got[-1].positions - expected[-1].positions).max() <= 1e-8
+
+
+def test_sigterm_to_the_ranks_mid_run_leaves_a_checkpoint_to_resume(tmp_path: Path) -> None:
+    """SIGTERM to every rank, as a batch system sends it at the time limit: the ranks
+    stop at the end of a step, write its checkpoint and exit 130; resumed, the run ends
+    as the one without a stop."""
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    whole.mkdir()
+    stopped.mkdir()
+    argv = [*RUN, "--ensemble", "langevin", "--checkpoint", "ck", "--checkpoint-every", "1000"]
+    finish(whole, 2, *argv)
+    process = subprocess.Popen(command(2, *argv), cwd=stopped, env=env(),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    while logged_step(stopped) < 100:
+        assert process.poll() is None, process.stderr.read()
+        time.sleep(0.005)
+    for rank in psutil.Process(process.pid).children(recursive=True):
+        rank.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err
+    step = read_checkpoint(stopped / "ck").step
+    assert 100 <= step < STEPS and f"interrupted at step {step} of {STEPS}" in err
+    finish(stopped, 2, "md", "--resume", "ck", "--no-progress")
+    got, expected = read(stopped / "run.traj", ":"), read(whole / "run.traj", ":")
+    assert np.abs(got[-1].positions - expected[-1].positions).max() <= 1e-10
+    # the frame of the stop step (off the interval) is the one extra
+    extra = {f.info["md_step"] for f in got} - {f.info["md_step"] for f in expected}
+    assert extra <= {step} and len(got) == len(expected) + len(extra)
+
+
+def test_sigterm_in_a_write_leaves_a_checkpoint_to_resume(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """SIGTERM arrives while the step-40 checkpoint is being written: the write finishes,
+    the run stops at the end of that step (exit 130) and the resumed run ends as one
+    without a stop (in one process: the signal raised in the middle of the file)."""
+    (tmp_path / "whole").mkdir()
+    monkeypatch.chdir(tmp_path / "whole")
+    argv = [*RUN, "--ensemble", "langevin", "--checkpoint", "ck", "--checkpoint-every", "20"]
+    assert main(argv) == 0
+    (tmp_path / "stopped").mkdir()
+    monkeypatch.chdir(tmp_path / "stopped")
+    savez = np.savez
+
+    def interrupted_savez(handle, **arrays):
+        if "step-" not in handle.name and "000000040" in handle.name:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler only asks to stop
+        savez(handle, **arrays)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint_module.np, "savez", interrupted_savez)
+        assert main(argv) == 130
+    assert f"interrupted at step 40 of {STEPS}" in capsys.readouterr().err
+    assert read_checkpoint("ck").step == 40
+    assert main(["md", "--resume", "ck", "--no-progress"]) == 0
+    assert_same_run(tmp_path / "stopped", tmp_path / "whole")
+
+
+def test_resume_refuses_what_would_change_the_run(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    argv = ["md", "--size", "2", "--steps", "4", "--ensemble", "langevin", "--no-progress"]
+    assert main([*argv, "--checkpoint", "ck"]) == 0
+    capsys.readouterr()
+    refused = {
+        ("--timestep", "1"): "continues a run with --timestep 2.0, not 1.0",
+        ("--ensemble", "nve"): "continues a run with --ensemble langevin, not nve",
+        ("--model", "morse"): "was written with --model emt, not morse",
+        ("--temperature", "500"): "was written with --temperature 300.0, not 500.0",
+        ("--seed", "7"): "continues a run with --seed 42, not 7",
+        ("--size", "3"): "give no STRUCTURE, --system, --size or --restart",
+    }
+    for option, message in refused.items():
+        assert main(["md", "--resume", "ck", *option]) == 2, option
+        assert message in capsys.readouterr().err, option
+    # the recorded values given again, and options that leave the physics alone, are fine
+    assert main(["md", "--resume", "ck", "--timestep", "2", "--steps", "6", "--balance",
+                 "count", "--no-progress"]) == 0
+    assert read_checkpoint("ck").step == 6
+    assert main(["md", "--resume", "empty", "--no-progress"]) == 2
+    assert "empty: no complete checkpoint there" in capsys.readouterr().err
