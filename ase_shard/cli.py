@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, or a usage error already reported
         return int(exc.code or 0)
-    args.given = given_options(sys.argv[1:] if argv is None else argv)
+    if args.command == "md":  # for --resume, which options the command line gave
+        args.given = given_options(sys.argv[1:] if argv is None else argv)
     try:
         return args.run(args)
     except KeyboardInterrupt:  # a second Ctrl-C, or one outside the MD loop
