@@ -42,6 +42,7 @@ from ase import Atoms
 
 from ase_shard.comm import Comm
 from ase_shard.distributed import GLOBAL_ID, DistributedAtoms, agreed_layout, with_global_ids
+from ase_shard.io import json_info
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -268,7 +269,7 @@ def write_checkpoint(
             "files": [int(n) for n in files],
             "cell": atoms.cell.array.tolist(),
             "pbc": atoms.pbc.tolist(),
-            "info": _json_info(atoms.info),
+            "info": json_info(atoms.info),
             "dynamics": dynamics_state(dyn),
             "rng_state": _rng_state(getattr(dyn, "rng", None)),
             "record": record or {},
@@ -362,17 +363,6 @@ def read_checkpoint(
         dynamics=manifest["dynamics"],
         rng_state=manifest["rng_state"],
     )
-
-
-def _json_info(info: dict) -> dict:
-    """The entries of ``atoms.info`` JSON can hold (numbers, strings, lists of them)."""
-    kept = {}
-    for key, value in info.items():
-        try:
-            kept[key] = json.loads(json.dumps(value, default=lambda a: np.asarray(a).tolist()))
-        except (TypeError, ValueError):
-            continue
-    return kept
 
 
 def _write_json(path: Path, value: dict) -> None:

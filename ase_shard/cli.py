@@ -170,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench(subparsers)
     add_info(subparsers)
     add_check(subparsers)
+    add_convert(subparsers)
     return parser
 
 
@@ -301,7 +302,9 @@ def add_md(subparsers: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="frames every --interval steps, format from the name (.traj: ASE trajectory; "
         ".xyz/.extxyz: extended XYZ with energy and forces; any multi-image format of "
-        "ase.io.write), appended frame by frame",
+        "ase.io.write), appended frame by frame by rank 0; NAME.shards: a directory every "
+        "rank writes its own atoms to, nothing gathered (ase-shard convert writes it as "
+        ".traj or extended XYZ)",
     )
     md.add_argument(
         "--log",
@@ -636,6 +639,39 @@ def _bench_model(spec: ModelSpec, atoms: Atoms, args: argparse.Namespace):
 
 
 # ----------------------------------------------------------------------------- info
+
+
+def add_convert(subparsers: argparse._SubParsersAction) -> None:
+    """Declare ``ase-shard convert``."""
+    convert = subparsers.add_parser(
+        "convert",
+        help="write a trajectory's frames in another format (e.g. a .shards directory to "
+        ".traj or extended XYZ)",
+        description="Read every frame of SOURCE (a NAME.shards directory that ranks wrote "
+        "their own atoms to, or any file ase.io reads) and write them to DEST in the format "
+        "its name says (.traj, .xyz/.extxyz, or any multi-image format of ase.io.write), "
+        "with the energies, forces and stresses written with them, for ASE, OVITO and "
+        "MDAnalysis. Rank 0 works.",
+    )
+    convert.add_argument("source", metavar="SOURCE")
+    convert.add_argument("dest", metavar="DEST")
+    convert.set_defaults(run=run_convert)
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    """``ase-shard convert``: rank 0 reads the frames and writes them."""
+    from ase.io import read, write
+
+    from ase_shard.io import SHARDS, read_frames
+
+    if world.rank == 0:
+        if args.source.rstrip("/").endswith(SHARDS):
+            frames = read_frames(args.source)
+        else:
+            frames = read(args.source, ":", parallel=False)
+        write(args.dest, frames, parallel=False)
+        print(f"ase-shard convert: {len(frames)} frame(s) to {args.dest}", flush=True)
+    return 0
 
 
 def add_info(subparsers: argparse._SubParsersAction) -> None:

@@ -66,6 +66,7 @@ from ase_shard.calculator import ShardedCalculator
 from ase_shard.checkpoint import Saved, read_checkpoint, restore_dynamics, write_checkpoint
 from ase_shard.comm import Comm
 from ase_shard.distributed import GLOBAL_ID, DistributedAtoms, distribute
+from ase_shard.io import SHARDS, ShardedTrajectory, cut_back_shards, read_frames
 from ase_shard.memory import peak_memory
 from ase_shard.models import EMT, LennardJones, Morse
 from ase_shard.presets import (
@@ -113,8 +114,8 @@ STOP_SIGNALS = tuple(
 EXIT_UNSTABLE = 1
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report an interrupted command
 
-# what a checkpoint records of the command line, for --resume (the model and the
-# thermostat's and barostat's targets are in its Physics)
+# what a checkpoint records of the command line, for --resume (the model, its dtype and
+# the thermostat's and barostat's targets are in its Physics)
 RUN_OPTIONS = (
     "ensemble",
     "timestep",
@@ -123,7 +124,6 @@ RUN_OPTIONS = (
     "taut",
     "taup",
     "pressure",
-    "dtype",
     "distributed",
     "trajectory",
     "log",
@@ -140,6 +140,7 @@ MODALITY_KEY = "md_modality"
 INTERACTION_RANGE_KEY = "md_interaction_range_A"
 D3_KEY = "md_d3"
 COULOMB_KEY = "md_coulomb"
+DTYPE_KEY = "md_dtype"
 TEMPERATURE_KEY = "md_temperature_K"
 COMPRESSIBILITY_KEY = "md_compressibility_per_bar"
 
@@ -180,6 +181,8 @@ class Physics:
         ``--d3``: the functional whose D3(BJ) dispersion is added to the model.
     coulomb : str or None
         ``--coulomb``: ``"ewald"`` or ``"pme"``, the electrostatics added to the model.
+    dtype : str or None
+        ``--dtype`` (``None``: the model's own).
     """
 
     model: str
@@ -190,6 +193,7 @@ class Physics:
     interaction_range: float | None = None
     d3: str | None = None
     coulomb: str | None = None
+    dtype: str | None = None
 
     def info(self) -> dict[str, str | float]:
         """The ``atoms.info`` entries. Empty strings are left out: extended XYZ
@@ -204,6 +208,7 @@ class Physics:
             INTERACTION_RANGE_KEY: "" if reach is None else reach,
             D3_KEY: self.d3 or "",
             COULOMB_KEY: self.coulomb or "",
+            DTYPE_KEY: self.dtype or "",
         }
         return {key: value for key, value in entries.items() if value != ""}
 
@@ -227,6 +232,7 @@ class Physics:
             interaction_range=optional(INTERACTION_RANGE_KEY, float),
             d3=optional(D3_KEY, str),
             coulomb=optional(COULOMB_KEY, str),
+            dtype=optional(DTYPE_KEY, str),
         )
 
     @property
@@ -255,6 +261,7 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
         reach = restart_option(args.restart, "interaction_range", recorded, reach)
         d3 = restart_option(args.restart, "d3", recorded, d3)
         coulomb = restart_option(args.restart, "coulomb", recorded, coulomb)
+        args.dtype = restart_option(args.restart, "dtype", recorded, args.dtype)
         defaults = FILE_DEFAULTS if recorded is None else recorded.defaults
         label = f"{args.restart} from step {start.step}"
     elif saved is not None:
@@ -265,6 +272,7 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
         reach = resumed(option="interaction_range", given=reach)
         d3 = resumed(option="d3", given=d3)
         coulomb = resumed(option="coulomb", given=coulomb)
+        args.dtype = resumed(option="dtype", given=args.dtype)
         for option in ("temperature", "compressibility"):
             resumed(option=option, given=getattr(args, option))
         defaults = recorded.defaults
@@ -294,6 +302,7 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
         interaction_range=reach,
         d3=d3,
         coulomb=coulomb,
+        dtype=args.dtype,
         temperature=target,
         compressibility=(
             defaults.compressibility if args.compressibility is None else args.compressibility
@@ -515,7 +524,13 @@ def read_restart(path: str) -> tuple[Atoms, Start, Physics | None]:
     """The last frame of a trajectory written by ``ase-shard md``, without its
     calculator and constraints, the step and time it was written at, and the
     physics it records (``None`` for frames of a version that recorded none)."""
-    frame = read_structure(path, "--restart")
+    if path.rstrip("/").endswith(SHARDS):
+        frames = read_frames(path, slice(-1, None))
+        if not frames:
+            raise CLIError(f"--restart {path}: no complete frame there")
+        frame = frames[0]
+    else:
+        frame = read_structure(path, "--restart")
     if STEP_KEY not in frame.info:
         raise CLIError(f"--restart {path}: its last frame has no {STEP_KEY} (not ase-shard md's)")
     start = Start(int(frame.info[STEP_KEY]), float(frame.info.get(TIME_KEY, 0.0)))
@@ -586,9 +601,10 @@ def restart_option(
     given: float | str | None,
     flag: str = "--restart",
 ) -> float | str | None:
-    """A model option of ``--restart path`` (or ``--resume path``: ``flag``; ``option``:
-    ``"interaction_range"``, ``"d3"`` or ``"coulomb"``): the recorded value; ``given``
-    (the command line's) where nothing is recorded.
+    """A recorded option of ``--restart path`` (or ``--resume path``: ``flag``;
+    ``option``: a :class:`Physics` field, e.g. ``"interaction_range"``, ``"d3"``,
+    ``"coulomb"``, ``"dtype"``): the recorded value; ``given`` (the command line's)
+    where nothing is recorded.
 
     Raises
     ------
@@ -637,6 +653,9 @@ def cut_back_frames(path: str, step: int) -> None:
     checkpoint writes them again), and a frame cut short by a kill: the frames up to
     the first with a later step or none readable are kept. The file is written anew
     (beside it, then renamed over it) only when a frame goes."""
+    if path.rstrip("/").endswith(SHARDS):
+        cut_back_shards(path, lambda info: int(info.get(STEP_KEY, -1)) <= step)
+        return
     frames, complete = [], True
     try:
         for image in iread(path, index=":", parallel=False):
@@ -762,7 +781,7 @@ def warn_barostat_axes(atoms: Atoms, ensemble: str) -> None:
 
 def check_trajectory_format(path: str | None) -> None:
     """Refuse a trajectory name whose format ``ase.io`` cannot write several images to."""
-    if path is None:
+    if path is None or path.rstrip("/").endswith(SHARDS):
         return
     name = filetype(path, read=False)
     io = ioformats.get(name)
@@ -802,7 +821,9 @@ def gathered_frame(atoms: DistributedAtoms, info: dict) -> Atoms | None:
 
 
 class FrameWriter:
-    """Frames appended to ``path`` one by one, by rank 0 (a context manager).
+    """Frames appended to ``path`` one by one, by rank 0, or for a ``.shards`` directory
+    by every rank, its own atoms (:class:`~ase_shard.io.ShardedTrajectory`; a context
+    manager).
 
     Parameters
     ----------
@@ -817,8 +838,13 @@ class FrameWriter:
     def __init__(self, path: str, append: bool, physics: Physics):
         self.path = path
         self.physics = physics.info()
-        self.format = filetype(path, read=False)
         self.trajectory = None
+        self.shards = None
+        if path.rstrip("/").endswith(SHARDS):  # every rank writes its atoms, nothing gathered
+            self.format = "shards"
+            self.shards = ShardedTrajectory(path, "a" if append else "w")
+            return
+        self.format = filetype(path, read=False)
         if self.format == "traj":
             self.trajectory = Trajectory(path, "a" if append else "w")  # rank 0 writes
         elif world.rank == 0 and not append:
@@ -827,6 +853,9 @@ class FrameWriter:
     def write(self, atoms: Atoms, step: int, time_fs: float) -> None:
         """Append the current state (every rank calls this; rank 0 writes)."""
         info = {STEP_KEY: step, TIME_KEY: time_fs, **self.physics}
+        if self.shards is not None:
+            self.shards.write(atoms, info)
+            return
         if isinstance(atoms, DistributedAtoms):
             image = gathered_frame(atoms, info)  # collective; None but on rank 0
             if image is None:
@@ -842,8 +871,9 @@ class FrameWriter:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.trajectory is not None:
-            self.trajectory.close()
+        for writer in (self.trajectory, self.shards):
+            if writer is not None:
+                writer.close()
 
 
 class Logger:

@@ -22,6 +22,7 @@ from ase.io import read
 from ase_shard import checkpoint as checkpoint_module
 from ase_shard.checkpoint import checkpoints, read_checkpoint
 from ase_shard.cli import main
+from ase_shard.io import read_frames
 
 pytestmark = pytest.mark.timeout(600)
 MPIRUN = Path(sys.executable).parent / "mpirun"
@@ -116,19 +117,28 @@ def test_killed_three_times_and_resumed_equals_one_run(tmp_path: Path, ensemble:
 
 
 def test_distributed_nve_resumed_on_other_rank_counts(tmp_path: Path) -> None:
-    """2 ranks to step 100, 3 ranks to 200, 1 rank to 300: the uninterrupted 2-rank run's
-    end within 1e-8 Å (the forces' sums run in another order on other ranks)."""
+    """2 ranks to step 100, 3 ranks to 200, 1 rank to 300, each rank writing its own atoms
+    of each frame (``run.shards``): the uninterrupted 2-rank run's frames (gathered to
+    rank 0, ``run.traj``), the last within 1e-8 Å (the forces' sums run in another order
+    on other ranks); ``ase-shard convert`` writes the frames as extended XYZ."""
     whole, stopped = tmp_path / "whole", tmp_path / "stopped"
     whole.mkdir()
     stopped.mkdir()
     argv = [*RUN, "--distributed", "--checkpoint", "ck", "--checkpoint-every", "50"]
     finish(whole, 2, *argv)
-    finish(stopped, 2, *[word if word != str(STEPS) else "100" for word in argv])
+    sharded = ["run.shards" if word == "run.traj" else word for word in argv]
+    finish(stopped, 2, *["100" if word == str(STEPS) else word for word in sharded])
     finish(stopped, 3, "md", "--resume", "ck", "--steps", "200", "--no-progress")
     finish(stopped, 1, "md", "--resume", "ck", "--steps", str(STEPS), "--no-progress")
-    got, expected = read(stopped / "run.traj", ":"), read(whole / "run.traj", ":")
+    got, expected = read_frames(stopped / "run.shards"), read(whole / "run.traj", ":")
     assert [f.info["md_step"] for f in got] == [f.info["md_step"] for f in expected]
     assert np.abs(got[-1].positions - expected[-1].positions).max() <= 1e-8
+    assert np.abs(got[-1].get_forces() - expected[-1].get_forces()).max() <= 1e-8
+    done = finish(stopped, 1, "convert", "run.shards", "run.xyz")
+    assert f"{len(got)} frame(s) to run.xyz" in done.stdout
+    converted = read(stopped / "run.xyz", ":")
+    assert [f.info["md_step"] for f in converted] == [f.info["md_step"] for f in got]
+    assert np.abs(converted[-1].positions - got[-1].positions).max() <= 1e-8
 
 
 def test_sigterm_to_the_ranks_mid_run_leaves_a_checkpoint_to_resume(tmp_path: Path) -> None:
@@ -198,6 +208,7 @@ def test_resume_refuses_what_would_change_the_run(tmp_path: Path, monkeypatch, c
         ("--model", "morse"): "was written with --model emt, not morse",
         ("--temperature", "500"): "was written with --temperature 300.0, not 500.0",
         ("--seed", "7"): "continues a run with --seed 42, not 7",
+        ("--dtype", "float32"): "was written with --dtype (none), not float32",
         ("--size", "3"): "give no STRUCTURE, --system, --size or --restart",
     }
     for option, message in refused.items():
@@ -209,3 +220,7 @@ def test_resume_refuses_what_would_change_the_run(tmp_path: Path, monkeypatch, c
     assert read_checkpoint("ck").step == 6
     assert main(["md", "--resume", "empty", "--no-progress"]) == 2
     assert "empty: no complete checkpoint there" in capsys.readouterr().err
+    # --restart from a trajectory refuses another dtype likewise (the frames record it)
+    assert main([*argv, "--dtype", "float32", "--trajectory", "t.traj"]) == 0
+    assert main(["md", "--restart", "t.traj", "--dtype", "float64", "--no-progress"]) == 2
+    assert "was written with --dtype float32, not float64" in capsys.readouterr().err
