@@ -72,7 +72,15 @@ HALOS = ("layer", "full")  # ase_shard.settings.HALOS
 PARTITIONS = ("spatial", "contiguous")  # ase_shard.partition.PARTITIONS
 BALANCES = ("work", "count")  # ase_shard.balance.BALANCES
 DTYPES = ("float64", "float32")
-ENSEMBLES = ("nve", "langevin", "nvt-berendsen", "npt-berendsen")
+ENSEMBLES = (
+    "nve",
+    "langevin",
+    "nvt-bussi",
+    "nvt-nose-hoover",
+    "nvt-berendsen",
+    "npt-mtk",
+    "npt-berendsen",
+)
 
 
 @dataclass(frozen=True)
@@ -288,11 +296,20 @@ def add_md(subparsers: argparse._SubParsersAction) -> None:
     )
     md.add_argument("--seed", type=NON_NEGATIVE_INT, default=42, help="random seed (default 42)")
     md.add_argument("--friction", type=NON_NEGATIVE, default=0.01, help="Langevin, 1/fs (0.01)")
-    md.add_argument("--taut", type=POSITIVE, default=100.0, help="Berendsen T coupling, fs (100)")
     md.add_argument(
-        "--taup", type=POSITIVE, default=1000.0, help="Berendsen P coupling, fs (1000)"
+        "--taut",
+        type=POSITIVE,
+        default=100.0,
+        help="thermostat time constant, fs: Berendsen and Bussi coupling, Nose-Hoover and "
+        "MTK damping (100)",
     )
-    md.add_argument("--pressure", type=FINITE, default=1.0, help="npt-berendsen, bar (1)")
+    md.add_argument(
+        "--taup",
+        type=POSITIVE,
+        default=1000.0,
+        help="barostat time constant, fs: Berendsen coupling, MTK damping (1000)",
+    )
+    md.add_argument("--pressure", type=FINITE, default=1.0, help="barostats, bar (1)")
     md.add_argument(
         "--compressibility", type=POSITIVE, help="npt-berendsen, 1/bar (default: the system's)"
     )

@@ -53,6 +53,7 @@ from ase.calculators.singlepoint import SinglePointCalculator
 from ase.constraints import FixCom
 from ase.io import Trajectory, iread, write
 from ase.io.formats import filetype, ioformats
+from ase.md.bussi import Bussi
 from ase.md.langevin import Langevin
 from ase.md.md import MolecularDynamics
 from ase.md.nptberendsen import NPTBerendsen
@@ -66,6 +67,7 @@ from ase_shard.calculator import ShardedCalculator
 from ase_shard.checkpoint import Saved, read_checkpoint, restore_dynamics, write_checkpoint
 from ase_shard.comm import Comm
 from ase_shard.distributed import GLOBAL_ID, DistributedAtoms, distribute
+from ase_shard.dynamics import IsotropicMTKNPT, NoseHooverChainNVT
 from ase_shard.io import SHARDS, ShardedTrajectory, cut_back_shards, read_frames
 from ase_shard.memory import peak_memory
 from ase_shard.models import EMT, LennardJones, Morse
@@ -93,9 +95,17 @@ ASE_CALCULATORS: dict[str, Callable[[], object]] = {
     "lj": partial(AseLennardJones, sigma=3.4, epsilon=0.0104, rc=8.5, smooth=True),
     "morse": partial(AseMorse, epsilon=0.35, r0=2.55, rho0=4.0),
 }
-THERMOSTATS = ("langevin", "nvt-berendsen", "npt-berendsen")
+THERMOSTATS = (
+    "langevin",
+    "nvt-bussi",
+    "nvt-nose-hoover",
+    "nvt-berendsen",
+    "npt-mtk",
+    "npt-berendsen",
+)
+BAROSTATS = ("npt-mtk", "npt-berendsen")
 # ensembles whose integrators run on DistributedAtoms (--distributed)
-DISTRIBUTED_ENSEMBLES = ("nve", "langevin")
+DISTRIBUTED_ENSEMBLES = ("nve", "langevin", "nvt-bussi", "nvt-nose-hoover", "npt-mtk")
 
 # blow-up guard: a run stops when T exceeds TEMPERATURE_FACTOR times the reference
 # (the target, or the initial T under NVE), the reference being at least
@@ -251,7 +261,7 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
     check_trajectory_format(writer_path)
     if args.distributed and args.ensemble not in DISTRIBUTED_ENSEMBLES:
         raise CLIError(
-            f"--distributed runs {' and '.join(DISTRIBUTED_ENSEMBLES)}, not {args.ensemble}: "
+            f"--distributed runs {', '.join(DISTRIBUTED_ENSEMBLES)}, not {args.ensemble}: "
             "the Berendsen integrators' centre-of-mass fix sums each rank's atoms only"
         )
     modality, reach, d3, coulomb = args.modality, args.interaction_range, args.d3, args.coulomb
@@ -358,7 +368,7 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
             writer = stack.enter_context(FrameWriter(writer_path, append, physics))
             dyn.attach(lambda: writer.write(atoms, dyn.nsteps, clock(dyn.nsteps)), args.interval)
         if args.log:
-            barostat = args.ensemble == "npt-berendsen"
+            barostat = args.ensemble in BAROSTATS
             continued = args.restart is not None or saved is not None
             logger = stack.enter_context(Logger(args.log, atoms, barostat, continued))
             dyn.attach(lambda: logger.write(dyn.nsteps, clock(dyn.nsteps)), args.interval)
@@ -743,21 +753,33 @@ def make_dynamics(
             fixcm=False,
             rng=rng,
         )
+    taut, taup = args.taut * units.fs, args.taup * units.fs
+    if args.ensemble == "nvt-bussi":
+        return Bussi(atoms, timestep=timestep, temperature_K=temperature, taut=taut, rng=rng)
+    if args.ensemble == "nvt-nose-hoover":  # ASE's on plain atoms, bit for bit
+        return NoseHooverChainNVT(atoms, timestep=timestep, temperature_K=temperature, tdamp=taut)
     if args.ensemble == "nvt-berendsen":
-        return NVTBerendsen(
-            atoms, timestep=timestep, temperature_K=temperature, taut=args.taut * units.fs
-        )
+        return NVTBerendsen(atoms, timestep=timestep, temperature_K=temperature, taut=taut)
     if atoms.cell.rank != 3:
         raise CLIError(
-            f"npt-berendsen scales the cell, but this system's cell has rank "
-            f"{atoms.cell.rank}, not 3; use nve, langevin or nvt-berendsen, or give it a cell"
+            f"{args.ensemble} scales the cell, but this system's cell has rank "
+            f"{atoms.cell.rank}, not 3; use nve or an nvt ensemble, or give it a cell"
+        )
+    if args.ensemble == "npt-mtk":
+        return IsotropicMTKNPT(
+            atoms,
+            timestep=timestep,
+            temperature_K=temperature,
+            pressure_au=args.pressure * units.bar,
+            tdamp=taut,
+            pdamp=taup,
         )
     return NPTBerendsen(
         atoms,
         timestep=timestep,
         temperature_K=temperature,
-        taut=args.taut * units.fs,
-        taup=args.taup * units.fs,
+        taut=taut,
+        taup=taup,
         pressure_au=args.pressure * units.bar,
         compressibility_au=physics.compressibility / units.bar,
     )
@@ -765,11 +787,11 @@ def make_dynamics(
 
 def warn_barostat_axes(atoms: Atoms, ensemble: str) -> None:
     """Rank 0 warns when the barostat will scale the cell along a non-periodic axis."""
-    if ensemble != "npt-berendsen" or atoms.pbc.all():
+    if ensemble not in BAROSTATS or atoms.pbc.all():
         return
     axes = ", ".join("abc"[i] for i in range(3) if not atoms.pbc[i])
     parprint(
-        f"ase-shard md: warning: npt-berendsen scales all three cell vectors, also the "
+        f"ase-shard md: warning: {ensemble} scales all three cell vectors, also the "
         f"non-periodic {axes}: the vacuum there changes with the pressure",
         file=sys.stderr,
         flush=True,

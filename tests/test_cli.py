@@ -315,4 +315,6 @@ def test_distributed_md_under_mpirun_matches_replicated(launches: dict[str, Futu
 def test_distributed_berendsen_exits_2(capsys) -> None:
     argv = ["md", "--size", "2", "--steps", "1", "--ensemble", "nvt-berendsen", "--distributed"]
     assert main(argv) == 2
-    assert "--distributed runs nve and langevin" in capsys.readouterr().err
+    assert "--distributed runs nve, langevin, nvt-bussi, nvt-nose-hoover, npt-mtk, not" in (
+        capsys.readouterr().err
+    )
