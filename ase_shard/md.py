@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import math
 import os
 import signal
@@ -177,8 +178,9 @@ class Physics:
     model : str
         The ``--model`` value that finds the model again (:attr:`ModelSpec.argument`).
     parameters : str
-        A built-in potential's parameters (``"epsilon=0.35, r0=2.55, rho0=4.0"``);
-        empty for EMT and model files.
+        A built-in potential's parameters (``"epsilon=0.35, r0=2.55, rho0=4.0"``),
+        or a model file's digest (:func:`model_parameters`); empty for EMT and
+        models known by a name alone.
     modality : str or None
         ``--modality``.
     temperature : float
@@ -594,10 +596,17 @@ def restart_model(
             f"{'trajectory' if flag == '--restart' else 'checkpoint'}; leave --model out"
             + (new_run if flag == "--restart" else "")
         )
-    if model_parameters(model) != recorded.parameters:
+    # frames written before model files had their digest recorded hold none
+    now = model_parameters(model)
+    if recorded.parameters and now != recorded.parameters:
+        if model.kind == "builtin":
+            raise CLIError(
+                f"{written} ({recorded.parameters}), but this version's {model.label} has "
+                f"({now}): not the same potential"
+            )
         raise CLIError(
-            f"{written} ({recorded.parameters}), but this version's {model.label} has "
-            f"({model_parameters(model)}): not the same potential"
+            f"{written} ({recorded.parameters}), but the file now has ({now}): other "
+            "weights, not the same model"
         )
     if modality is not None and modality != recorded.modality:
         raise CLIError(f"{written} and --modality {recorded.modality or '(none)'}, not {modality}")
@@ -699,12 +708,16 @@ def cut_back_rows(path: str, step: int) -> None:
 
 
 def model_parameters(spec: ModelSpec) -> str:
-    """A built-in potential's parameters as ``name=value, ...``; empty for the others
-    (EMT has none; a model file is its own record)."""
-    if spec.kind != "builtin":
-        return ""
-    keywords = getattr(MODELS[spec.source], "keywords", {})
-    return ", ".join(f"{name}={value!r}" for name, value in keywords.items())
+    """A built-in potential's parameters as ``name=value, ...``; a model file's digest
+    (``sha256=`` and the first 16 hex digits of its bytes: the same path with other
+    weights is another model); empty for EMT and for models known by a name alone."""
+    if spec.kind == "builtin":
+        keywords = getattr(MODELS[spec.source], "keywords", {})
+        return ", ".join(f"{name}={value!r}" for name, value in keywords.items())
+    if os.path.isfile(spec.source):
+        with open(spec.source, "rb") as handle:
+            return f"sha256={hashlib.file_digest(handle, 'sha256').hexdigest()[:16]}"
+    return ""
 
 
 def thermalise(atoms: Atoms, temperature: float, rng: np.random.Generator) -> None:

@@ -34,6 +34,7 @@ from ase_shard import md
 from ase_shard.calculator import ShardedCalculator
 from ase_shard.cli import POSITIVE, POSITIVE_INT, CLIError, Number, build_parser, main
 from ase_shard.comm import Comm
+from ase_shard.presets import resolve_model
 
 pytestmark = [
     pytest.mark.skipif(Comm().size > 1, reason="runs ase-shard serially and under its own mpirun"),
@@ -329,6 +330,16 @@ def test_restart_model_refuses_what_differs(tmp_path: Path) -> None:
         md.restart_model("x.xyz", recorded(model=str(gone), parameters=""), None, None)
     spec, modality = md.restart_model("x.xyz", recorded(modality="PBE"), None, None)
     assert (spec.kind, spec.source, modality) == ("builtin", "morse", "PBE")
+    # a model file with other weights at the same path is another model (its digest)
+    weights = tmp_path / "w.pth"
+    weights.write_bytes(b"first weights")
+    digest = md.model_parameters(resolve_model(str(weights)))
+    written = recorded(model=str(weights), parameters=digest)
+    assert written.parameters.startswith("sha256=")
+    assert md.restart_model("x.xyz", written, None, None)[0].source == str(weights)
+    weights.write_bytes(b"other weights")
+    with pytest.raises(CLIError, match=r"but the file now has \(sha256=[0-9a-f]{16}\): other"):
+        md.restart_model("x.xyz", written, None, None)
 
 
 # ----------------------------------------------------------------------------- progress
