@@ -49,6 +49,7 @@ from ase_shard.presets import (
     BENCH_MODELS,
     BUILTIN_MODELS,
     CHGNET_MODELS,
+    ENSEMBLES,
     MATTERSIM_CHECKPOINTS,
     MATTERSIM_FOLDER,
     MODEL_FILES,
@@ -72,15 +73,6 @@ HALOS = ("layer", "full")  # ase_shard.settings.HALOS
 PARTITIONS = ("spatial", "contiguous")  # ase_shard.partition.PARTITIONS
 BALANCES = ("work", "count")  # ase_shard.balance.BALANCES
 DTYPES = ("float64", "float32")
-ENSEMBLES = (
-    "nve",
-    "langevin",
-    "nvt-bussi",
-    "nvt-nose-hoover",
-    "nvt-berendsen",
-    "npt-mtk",
-    "npt-berendsen",
-)
 
 
 @dataclass(frozen=True)

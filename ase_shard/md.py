@@ -73,6 +73,7 @@ from ase_shard.io import SHARDS, ShardedTrajectory, cut_back_shards, read_frames
 from ase_shard.memory import peak_memory
 from ase_shard.models import EMT, LennardJones, Morse
 from ase_shard.presets import (
+    ENSEMBLES,
     FILE_DEFAULTS,
     CLIError,
     Defaults,
@@ -96,14 +97,7 @@ ASE_CALCULATORS: dict[str, Callable[[], object]] = {
     "lj": partial(AseLennardJones, sigma=3.4, epsilon=0.0104, rc=8.5, smooth=True),
     "morse": partial(AseMorse, epsilon=0.35, r0=2.55, rho0=4.0),
 }
-THERMOSTATS = (
-    "langevin",
-    "nvt-bussi",
-    "nvt-nose-hoover",
-    "nvt-berendsen",
-    "npt-mtk",
-    "npt-berendsen",
-)
+THERMOSTATS = tuple(name for name in ENSEMBLES if name != "nve")
 BAROSTATS = ("npt-mtk", "npt-berendsen")
 # ensembles whose integrators run on DistributedAtoms (--distributed)
 DISTRIBUTED_ENSEMBLES = ("nve", "langevin", "nvt-bussi", "nvt-nose-hoover", "npt-mtk")

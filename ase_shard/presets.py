@@ -241,6 +241,19 @@ def resolve_model(name: str, bench: bool = False) -> ModelSpec:
 
 # ---------------------------------------------------------------------------- systems
 
+# ase-shard md --ensemble: ASE's VelocityVerlet, Langevin, Bussi, NoseHooverChainNVT,
+# NVTBerendsen, IsotropicMTKNPT and NPTBerendsen (ase_shard.md.make_dynamics)
+ENSEMBLES = (
+    "nve",
+    "langevin",
+    "nvt-bussi",
+    "nvt-nose-hoover",
+    "nvt-berendsen",
+    "npt-mtk",
+    "npt-berendsen",
+)
+
+
 @dataclass(frozen=True)
 class Defaults:
     """What suits a kind of system when the command line does not say."""
