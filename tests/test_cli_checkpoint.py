@@ -227,3 +227,23 @@ def test_resume_refuses_what_would_change_the_run(tmp_path: Path, monkeypatch, c
     assert main([*argv, "--dtype", "float32", "--trajectory", "t.traj"]) == 0
     assert main(["md", "--restart", "t.traj", "--dtype", "float64", "--no-progress"]) == 2
     assert "was written with --dtype float32, not float64" in capsys.readouterr().err
+
+
+def test_restart_from_a_sharded_trajectory(tmp_path: Path, monkeypatch, capsys) -> None:
+    """``--restart NAME.shards`` continues from its last frame and appends to it; the
+    frames equal a ``.traj`` written by the same two commands (one process)."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["md", "--size", "2", "--steps", "20", "--interval", "5", "--distributed",
+            "--no-progress"]
+    for name in ("run.shards", "run.traj"):
+        assert main([*argv, "--trajectory", name]) == 0
+        assert main(["md", "--restart", name, "--steps", "10", "--interval", "5",
+                     "--no-progress"]) == 0
+    assert "run.shards from step 20" in capsys.readouterr().out
+    got, expected = read_frames("run.shards"), read("run.traj", ":")
+    steps = [0, 5, 10, 15, 20, 25, 30]
+    assert [f.info["md_step"] for f in got] == [f.info["md_step"] for f in expected] == steps
+    for frame, reference in zip(got, expected, strict=True):
+        assert np.array_equal(frame.positions, reference.positions)
+        assert np.array_equal(frame.get_momenta(), reference.get_momenta())
+        assert np.array_equal(frame.get_forces(), reference.get_forces())
