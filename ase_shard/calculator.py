@@ -103,10 +103,9 @@ class ShardedCalculator(Calculator):
         edges listed at it at the last rebuild (plus a node's cost), the cuts
         are kept between rebuilds and cut again when the busiest rank's work
         exceeds the mean by 2 % (liquid-vapour, slabs, clusters:
-        :mod:`ase_shard.balance`); until the first rebuild has listed edges,
-        on one rank, and for bulk, it cuts as ``count`` does. ``count``: every
-        rank owns as many atoms as the others (within one), cut again at every
-        rebuild.
+        :mod:`ase_shard.balance`); the first cut, and every cut on one rank,
+        is by count, and bulk keeps its first. ``count``: every rank owns as
+        many atoms as the others (within one), cut again at every rebuild.
     grid : (int, int, int), optional
         Rank grid for ``spatial``; default: the one with the smallest halo.
     halo : {"layer", "full"}, optional

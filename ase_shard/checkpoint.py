@@ -155,12 +155,17 @@ def _owner(dyn: Any, path: str) -> tuple[Any, str]:
     return owner, name
 
 
-def _rng_state(rng: Any) -> dict | None:
-    """A random generator's state as JSON values (numpy ``Generator``, ``RandomState`` or
-    the ``numpy.random`` module); ``None`` for anything else."""
+def _bit_generator(rng: Any) -> Any:
+    """The bit generator behind a numpy ``Generator``, a ``RandomState`` or the
+    ``numpy.random`` module (its global ``RandomState``); ``None`` for anything else."""
     if rng is np.random:
         rng = np.random.mtrand._rand
-    bit_generator = getattr(rng, "bit_generator", None) or getattr(rng, "_bit_generator", None)
+    return getattr(rng, "bit_generator", None) or getattr(rng, "_bit_generator", None)
+
+
+def _rng_state(rng: Any) -> dict | None:
+    """A random generator's state as JSON values (``None``: not a numpy generator)."""
+    bit_generator = _bit_generator(rng)
     if bit_generator is None:
         return None
     return json.loads(json.dumps(bit_generator.state, default=lambda a: np.asarray(a).tolist()))
@@ -168,13 +173,10 @@ def _rng_state(rng: Any) -> dict | None:
 
 def _set_rng_state(rng: Any, state: dict) -> None:
     """Set a generator's state from :func:`_rng_state`'s (in place: its holders see it)."""
-    if rng is np.random:
-        rng = np.random.mtrand._rand
-    bit_generator = getattr(rng, "bit_generator", None) or rng._bit_generator
     inner = state.get("state")
     if isinstance(inner, dict) and isinstance(inner.get("key"), list):  # MT19937
         state = {**state, "state": {**inner, "key": np.array(inner["key"], dtype=np.uint32)}}
-    bit_generator.state = state
+    _bit_generator(rng).state = state
 
 
 def checkpoints(directory: str | Path) -> list[Path]:

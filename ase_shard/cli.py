@@ -671,10 +671,10 @@ def run_convert(args: argparse.Namespace) -> int:
     """``ase-shard convert``: rank 0 reads the frames and writes them."""
     from ase.io import read, write
 
-    from ase_shard.io import SHARDS, read_frames
+    from ase_shard.io import is_sharded, read_frames
 
     if world.rank == 0:
-        if args.source.rstrip("/").endswith(SHARDS):
+        if is_sharded(args.source):
             frames = read_frames(args.source)
         else:
             frames = read(args.source, ":", parallel=False)

@@ -207,8 +207,7 @@ class ShardedTrajectory:
             if mode == "w" and self.path.exists():
                 shutil.rmtree(self.path)
             self.path.mkdir(parents=True, exist_ok=True)
-            cut_back_shards(self.path, lambda info: True)  # a frame a kill cut short goes
-            return len(_complete_frames(self.path))
+            return cut_back_shards(self.path, lambda info: True)  # a frame cut short goes
 
         # numbered on from the complete frames; each rank's files end where its rows do
         self.frames = self.comm.decide(prepare)
@@ -256,22 +255,30 @@ class ShardedTrajectory:
         self._index.close()
 
 
-def _index_lines(path: Path) -> list[tuple[Path, dict]]:
-    """Every whole line of every rank's index, with the rows file it describes."""
-    lines = []
+def is_sharded(path: str | Path) -> bool:
+    """Whether ``path`` names a :class:`ShardedTrajectory` (it ends in ``.shards``)."""
+    return str(path).rstrip("/").endswith(SHARDS)
+
+
+def _index_lines(path: Path) -> dict[Path, tuple[list[dict], bool]]:
+    """Every rank's index, by the rows file it describes: its whole lines, and whether
+    a line cut short by a kill follows them (that line is no frame's)."""
+    files = {}
     for index in sorted(path.glob("rank-*.index")):
-        rows = index.with_suffix(".rows")
-        for text in index.read_text().splitlines(keepends=True):
-            if text.endswith("\n"):  # a line cut short by a kill is no frame's
-                lines.append((rows, json.loads(text)))
-    return lines
+        texts = index.read_text().splitlines(keepends=True)
+        whole = [json.loads(text) for text in texts if text.endswith("\n")]
+        files[index.with_suffix(".rows")] = (whole, len(whole) < len(texts))
+    return files
 
 
-def _complete_frames(path: Path) -> dict[int, list[tuple[Path, dict]]]:
+def _complete_frames(
+    files: dict[Path, tuple[list[dict], bool]],
+) -> dict[int, list[tuple[Path, dict]]]:
     """The frames whose ranks' rows add up to all the atoms, by number, in order."""
     frames: dict[int, list] = {}
-    for rows, line in _index_lines(path):
-        frames.setdefault(line["frame"], []).append((rows, line))
+    for rows, (lines, _) in files.items():
+        for line in lines:
+            frames.setdefault(line["frame"], []).append((rows, line))
     return {
         number: parts
         for number, parts in sorted(frames.items())
@@ -283,7 +290,7 @@ def read_frames(path: str | Path, index: int | slice = slice(None)) -> list[Atom
     """The complete frames of a :class:`ShardedTrajectory` (``index`` of them), as
     ordinary ``Atoms`` in the atoms' original order, with a single-point calculator
     of the results written with them (on the rank that calls it; not collective)."""
-    frames = list(_complete_frames(Path(path)).values())
+    frames = list(_complete_frames(_index_lines(Path(path))).values())
     chosen = frames[index] if isinstance(index, slice) else [frames[index]]
     return [_assembled(parts) for parts in chosen]
 
@@ -317,28 +324,28 @@ def _assembled(parts: list[tuple[Path, dict]]) -> Atoms:
     return atoms
 
 
-def cut_back_shards(path: str | Path, keep: Callable[[dict], bool]) -> None:
+def cut_back_shards(path: str | Path, keep: Callable[[dict], bool]) -> int:
     """Keep the complete frames for which ``keep(info)`` holds, up to the first that it
     does not; drop the rest, an incomplete last frame too (every rank's files
-    shortened; run by one rank)."""
+    shortened; run by one rank). Returns the frames kept."""
     path = Path(path)
-    complete = _complete_frames(path)
+    files = _index_lines(path)
     kept = set()
-    for number, parts in complete.items():
+    for number, parts in _complete_frames(files).items():
         if number != len(kept) or not keep(parts[0][1]["info"]):
             break  # a frame missing before it (cut short), or one to drop
         kept.add(number)
-    by_file: dict[Path, list[dict]] = {}
-    for rows, line in _index_lines(path):
-        by_file.setdefault(rows, []).append(line)
-    for index in sorted(path.glob("rank-*.index")):
-        rows = index.with_suffix(".rows")
-        lines = [line for line in by_file.get(rows, []) if line["frame"] in kept]
-        end = max((line["offset"] + _frame_bytes(line) for line in lines), default=0)
+    for rows, (lines, cut_short) in files.items():
+        keeping = [line for line in lines if line["frame"] in kept]
+        # rows written after the last line that lists them go too
+        end = max((line["offset"] + _frame_bytes(line) for line in keeping), default=0)
         os.truncate(rows, end)
-        temporary = index.with_suffix(".cut")
-        temporary.write_text("".join(json.dumps(line) + "\n" for line in lines))
-        os.replace(temporary, index)
+        if len(keeping) < len(lines) or cut_short:
+            index = rows.with_suffix(".index")
+            temporary = index.with_suffix(".cut")
+            temporary.write_text("".join(json.dumps(line) + "\n" for line in keeping))
+            os.replace(temporary, index)
+    return len(kept)
 
 
 def _frame_bytes(line: dict) -> int:

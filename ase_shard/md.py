@@ -69,7 +69,7 @@ from ase_shard.checkpoint import Saved, read_checkpoint, restore_dynamics, write
 from ase_shard.comm import Comm
 from ase_shard.distributed import GLOBAL_ID, DistributedAtoms, distribute
 from ase_shard.dynamics import IsotropicMTKNPT, NoseHooverChainNVT
-from ase_shard.io import SHARDS, ShardedTrajectory, cut_back_shards, read_frames
+from ase_shard.io import ShardedTrajectory, cut_back_shards, is_sharded, read_frames
 from ase_shard.memory import peak_memory
 from ase_shard.models import EMT, LennardJones, Morse
 from ase_shard.presets import (
@@ -530,7 +530,7 @@ def read_restart(path: str) -> tuple[Atoms, Start, Physics | None]:
     """The last frame of a trajectory written by ``ase-shard md``, without its
     calculator and constraints, the step and time it was written at, and the
     physics it records (``None`` for frames of a version that recorded none)."""
-    if path.rstrip("/").endswith(SHARDS):
+    if is_sharded(path):
         frames = read_frames(path, slice(-1, None))
         if not frames:
             raise CLIError(f"--restart {path}: no complete frame there")
@@ -666,7 +666,7 @@ def cut_back_frames(path: str, step: int) -> None:
     checkpoint writes them again), and a frame cut short by a kill: the frames up to
     the first with a later step or none readable are kept. The file is written anew
     (beside it, then renamed over it) only when a frame goes."""
-    if path.rstrip("/").endswith(SHARDS):
+    if is_sharded(path):
         cut_back_shards(path, lambda info: int(info.get(STEP_KEY, -1)) <= step)
         return
     frames, complete = [], True
@@ -810,7 +810,7 @@ def warn_barostat_axes(atoms: Atoms, ensemble: str) -> None:
 
 def check_trajectory_format(path: str | None) -> None:
     """Refuse a trajectory name whose format ``ase.io`` cannot write several images to."""
-    if path is None or path.rstrip("/").endswith(SHARDS):
+    if path is None or is_sharded(path):
         return
     name = filetype(path, read=False)
     io = ioformats.get(name)
@@ -869,8 +869,7 @@ class FrameWriter:
         self.physics = physics.info()
         self.trajectory = None
         self.shards = None
-        if path.rstrip("/").endswith(SHARDS):  # every rank writes its atoms, nothing gathered
-            self.format = "shards"
+        if is_sharded(path):  # every rank writes its atoms, nothing gathered
             self.shards = ShardedTrajectory(path, "a" if append else "w")
             return
         self.format = filetype(path, read=False)
