@@ -5,16 +5,19 @@ transform is of the ranks' sum. Adding the meshes on every rank and
 transforming the whole on each (what ``system_sum`` would do) repeats the
 largest work of the step on every rank, and the ranks' transforms then share
 one memory bus. :class:`SystemFFT` splits it as a slab-decomposed FFT does
-(LAMMPS's PPPM, FFTW's MPI transforms): each rank adds up one slab of planes
-along the first axis, transforms it along the other two, and after a
-transpose (one personalised all-to-all) along the first; it then holds the
-spectrum of one slab of the second axis's wave numbers. The inverse goes back
-the same way and ends with every rank holding the real mesh on the planes
-its atoms touch. A rank holds, sends and receives only those planes (those of
-its atoms' interpolation stencils), never the whole mesh, and the slabs are
-cut along the axis where the ranks' planes overlap least: along the direction
-in which the spatial partition cut the ranks' domains, most planes stay on
-their rank.
+(LAMMPS's PPPM, FFTW's MPI transforms), with one change: the ranks' meshes are
+not added before the first transforms but after them. The transform is
+linear, so each rank transforms the planes its own atoms touch along the
+second and third axes; one transpose (a personalised all-to-all) gives each
+rank one slab of the second axis's wave numbers from every rank's planes,
+which it adds up and transforms along the first axis. The inverse goes back
+the same way: each rank gets its own planes' slab of every rank's wave
+numbers and transforms them back. A rank holds, sends and receives only its
+planes, never the whole mesh; no exchange of planes comes before or after the
+transpose, and a plane several ranks touch is transformed by each of them (a
+few planes at the domains' borders). The first axis is the one along which
+the ranks touch fewest planes in all: the direction in which the spatial
+partition cut the ranks' domains.
 
 Transforms are unnormalised both ways (``numpy``'s ``norm="backward"``
 forward, ``norm="forward"`` inverse), as torch-pme's ``KSpaceFilter`` is
@@ -48,7 +51,7 @@ class SystemFFT:
         self.comm = comm
 
     def plan(self, shape: Sequence[int], touched: Sequence[torch.Tensor]) -> MeshSlabs:
-        """Where the slabs are cut, from the planes every rank touches.
+        """Which planes each rank holds and which wave numbers, from the planes it touches.
 
         Parameters
         ----------
@@ -63,16 +66,18 @@ class SystemFFT:
         flags = torch.cat([mask.detach().cpu() for mask in touched]).numpy()
         every = self.comm.allgather_rows(flags.astype(np.uint8).reshape(1, -1), [1] * size)
         every = np.split(every.astype(bool), np.cumsum(shape)[:-1], axis=1)
-        axis = _slab_axis(every, shape, size)
+        # the axis along which the ranks hold the fewest numbers in all
+        points = int(np.prod(shape))
+        held = [mask.sum() * (points // count) for mask, count in zip(every, shape, strict=True)]
+        axis = int(np.argmin(held))
         order = (axis, (axis + 1) % 3, (axis + 2) % 3)
         n0, n1, n2 = (int(shape[a]) for a in order)
-        rows = _blocks(n1, size)
-        start = int(rows[: self.comm.rank].sum())
+        rows = _row_starts(n1, size)
         return MeshSlabs(
             order=order,
             shape=(n0, n1, n2),
             planes=np.flatnonzero(every[axis][self.comm.rank]),
-            rows=slice(start, start + int(rows[self.comm.rank])),
+            rows=slice(int(rows[self.comm.rank]), int(rows[self.comm.rank + 1])),
             touched=every[axis],
         )
 
@@ -83,36 +88,46 @@ class SystemFFT:
         n2)`` with the axes in ``slabs.order``. The result is ``(len(slabs.rows),
         n2 // 2 + 1, n0)`` (wave numbers along ``n1``, ``n2`` and ``n0``): the
         elements ``[k1, k2, k0]`` of ``torch.fft.rfftn`` of the summed mesh (axes
-        in order) at ``k1`` in ``slabs.rows``. The transform's last pass runs
-        along contiguous memory, and that layout is kept.
+        in order) at ``k1`` in ``slabs.rows``. The last transform runs along
+        contiguous memory, and that layout is kept.
         """
         check_status(*self.comm.status(False), "during a mesh transform")
-        rank, size = self.comm.rank, self.comm.size
-        every = slabs.touched
+        rank = self.comm.rank
         n0, n1, n2 = slabs.shape
-        planes = _blocks(n0, size)
-        starts = np.concatenate([[0], np.cumsum(planes)])
-        mine = slice(starts[rank], starts[rank + 1])
-        # each rank's planes in this rank's block, added in rank order
-        received = self.comm.alltoallv_rows(
-            partial.detach().to("cpu", torch.float64).numpy(),
-            _per_block(every[rank], starts),
-            every[:, mine].sum(axis=1),
+        depth = n2 // 2 + 1
+        half = _unless_empty(  # (planes, n1, depth)
+            lambda mesh: torch.fft.rfftn(mesh, dim=(1, 2)),
+            partial.detach().to("cpu", torch.float64),
+            (len(slabs.planes), n1, depth),
         )
-        slab = np.zeros((planes[rank], n1, n2))
-        first = 0
-        for sender in range(size):
-            at = np.flatnonzero(every[sender, mine])
-            slab[at] += received[first : first + len(at)]
-            first += len(at)
-        half = _unless_empty(  # (mine, n1, n2 // 2 + 1)
-            lambda slab: torch.fft.rfftn(slab, dim=(1, 2)),
-            torch.from_numpy(slab),
-            (planes[rank], n1, n2 // 2 + 1),
-        )
-        columns = self._planes_to_columns(half.numpy(), planes, _blocks(n1, size))
+        rows = _row_starts(n1, self.comm.size)
+        mine = int(rows[rank + 1] - rows[rank])
+        held = slabs.touched.sum(axis=1)
+        # to each other rank its wave numbers along n1 of this rank's planes
+        outgoing = torch.empty((len(slabs.planes) * (n1 - mine), depth), dtype=torch.complex128)
+        at = 0
+        for s in self._others():
+            part = half[:, rows[s] : rows[s + 1]]
+            outgoing[at : at + part.shape[0] * part.shape[1]].view(part.shape).copy_(part)
+            at += part.shape[0] * part.shape[1]
+        received = self._transpose(outgoing, np.diff(rows) * len(slabs.planes), held * mine)
+        # (planes, k1, k2): every rank's planes of this rank's wave numbers, added up
+        planes = torch.empty((n0, mine, depth), dtype=torch.complex128)
+        for _, plane, count in _runs(np.flatnonzero(~slabs.touched[rank])):
+            planes[plane : plane + count] = 0.0
+        for first, plane, count in _runs(slabs.planes):
+            planes[plane : plane + count] = half[first : first + count, slabs.rows]
+        for sender, block in received:
+            block = block.view(int(held[sender]), mine, depth)
+            for first, plane, count in _runs(np.flatnonzero(slabs.touched[sender])):
+                planes[plane : plane + count] += block[first : first + count]
+        # the transform along the planes' axis, (k1, k2, k0) in memory: MKL's
+        # out-of-place transform leaves its axis innermost, and so does the transpose
+        # (contiguous() copies only where another FFT library does not)
         spectrum = _unless_empty(
-            lambda columns: torch.fft.fft(columns, dim=2), columns, columns.shape
+            lambda planes: torch.fft.fft(planes, dim=0).permute(1, 2, 0).contiguous(),
+            planes,
+            (mine, depth, n0),
         )
         return spectrum.to(partial.device)
 
@@ -125,98 +140,83 @@ class SystemFFT:
         laid out as :meth:`forward` returned it.
         """
         check_status(*self.comm.status(False), "during a mesh transform")
-        rank, size = self.comm.rank, self.comm.size
-        every = slabs.touched
+        rank = self.comm.rank
         n0, n1, n2 = slabs.shape
-        planes = _blocks(n0, size)
-        starts = np.concatenate([[0], np.cumsum(planes)])
+        depth = n2 // 2 + 1
         columns = _unless_empty(
             lambda spectrum: torch.fft.ifft(spectrum, dim=2, norm="forward"),
             spectrum.detach().cpu(),
             spectrum.shape,
         )
-        half = self._columns_to_planes(columns.numpy(), _blocks(n1, size), planes)
-        slab = _unless_empty(
+        rows = _row_starts(n1, self.comm.size)
+        mine = int(rows[rank + 1] - rows[rank])
+        held = slabs.touched.sum(axis=1)
+        # to each other rank its planes of this rank's wave numbers, (k1, k2, planes)
+        outgoing = torch.empty(
+            ((held.sum() - len(slabs.planes)) * mine, depth), dtype=torch.complex128
+        )
+        at = 0
+        for s in self._others():
+            block = outgoing[at : at + held[s] * mine].view(mine, depth, int(held[s]))
+            for first, plane, count in _runs(np.flatnonzero(slabs.touched[s])):
+                block[:, :, first : first + count] = columns[:, :, plane : plane + count]
+            at += held[s] * mine
+        received = self._transpose(outgoing, held * mine, np.diff(rows) * len(slabs.planes))
+        # (k1, k2, planes): this rank's planes of every rank's wave numbers, the planes
+        # innermost as they arrive (the last transforms take any layout)
+        half = torch.empty((n1, depth, len(slabs.planes)), dtype=torch.complex128)
+        for first, plane, count in _runs(slabs.planes):
+            half[slabs.rows, :, first : first + count] = columns[:, :, plane : plane + count]
+        for sender, block in received:
+            shape = (int(rows[sender + 1] - rows[sender]), depth, len(slabs.planes))
+            half[rows[sender] : rows[sender + 1]] = block.view(shape)
+        planes = _unless_empty(
             lambda half: torch.fft.irfftn(half, s=(n1, n2), dim=(1, 2), norm="forward"),
-            torch.from_numpy(half),
-            (half.shape[0], n1, n2),
+            half.permute(2, 0, 1),
+            (len(slabs.planes), n1, n2),
             torch.float64,
-        ).numpy()
-        # each rank's planes of this rank's block go back to it
-        mine = slice(starts[rank], starts[rank + 1])
-        outgoing = np.concatenate([slab[every[receiver, mine]] for receiver in range(size)])
-        received = self.comm.alltoallv_rows(
-            outgoing, every[:, mine].sum(axis=1), _per_block(every[rank], starts)
         )
-        return torch.from_numpy(received).to(spectrum.device)
+        return planes.to(spectrum.device)
 
-    def _planes_to_columns(
-        self, half: np.ndarray, planes: np.ndarray, rows: np.ndarray
-    ) -> torch.Tensor:
-        """The forward transpose: ``(planes[rank], n1, k)``, every wave number along
-        ``n1`` of this rank's planes, to ``(rows[rank], k, n0)``, every plane of this
-        rank's wave numbers (the planes last, contiguous, for the last transform)."""
+    def _others(self) -> list[int]:
+        """The other ranks, in rank order."""
+        return [s for s in range(self.comm.size) if s != self.comm.rank]
+
+    def _transpose(
+        self, outgoing: torch.Tensor, counts_sent: np.ndarray, counts_received: np.ndarray
+    ) -> list[tuple[int, torch.Tensor]]:
+        """One personalised all-to-all between this rank and the others: ``outgoing`` holds
+        rows of wave numbers along the mesh's last axis for each other rank in rank order,
+        ``counts_*`` (one per rank, this rank's own ignored) how many rows go to and come
+        from each. Returns ``(sender, rows)`` for each other rank."""
         rank = self.comm.rank
-        depth = half.shape[2]
-        # what goes to rank s: its wave numbers of every plane held here
-        outgoing = np.ascontiguousarray(half.transpose(1, 0, 2)).reshape(-1)
-        incoming = planes * rows[rank] * depth
-        received = self.comm.alltoallv_rows(outgoing, rows * planes[rank] * depth, incoming)
-        columns = np.empty((rows[rank], depth, int(planes.sum())), dtype=half.dtype)
-        parts = np.split(received, np.cumsum(incoming)[:-1])
-        bounds = np.concatenate([[0], np.cumsum(planes)])
-        for sender, part in enumerate(parts):
-            shaped = part.reshape(rows[rank], planes[sender], depth)
-            columns[:, :, bounds[sender] : bounds[sender + 1]] = shaped.transpose(0, 2, 1)
-        return torch.from_numpy(columns)
-
-    def _columns_to_planes(
-        self, columns: np.ndarray, rows: np.ndarray, planes: np.ndarray
-    ) -> np.ndarray:
-        """The inverse transpose: ``(rows[rank], k, n0)`` to ``(planes[rank], n1, k)``."""
-        rank = self.comm.rank
-        depth = columns.shape[1]
-        # what goes to rank s: its planes of this rank's wave numbers, planes first
-        bounds = np.concatenate([[0], np.cumsum(planes)])
-        outgoing = np.concatenate(
-            [
-                columns[:, :, bounds[s] : bounds[s + 1]].transpose(2, 0, 1).reshape(-1)
-                for s in range(len(planes))
-            ]
-        )
-        incoming = rows * planes[rank] * depth
-        received = self.comm.alltoallv_rows(outgoing, planes * rows[rank] * depth, incoming)
-        parts = np.split(received, np.cumsum(incoming)[:-1])
-        shaped = [
-            part.reshape(planes[rank], count, depth)
-            for part, count in zip(parts, rows, strict=True)
-        ]
-        return np.concatenate(shaped, axis=1)
+        sent, expected = counts_sent.copy(), counts_received.copy()
+        sent[rank] = expected[rank] = 0
+        received = self.comm.alltoallv_rows(outgoing.numpy(), sent, expected)
+        parts = np.split(received, np.cumsum(expected)[:-1])
+        return [(s, torch.from_numpy(parts[s])) for s in self._others()]
 
 
-def _slab_axis(touched: list[np.ndarray], shape: Sequence[int], ranks: int) -> int:
-    """The axis along which cutting the mesh into the ranks' slabs sends the fewest
-    numbers: each rank's touched planes that fall in other ranks' slabs (the first of
-    equals). ``touched[a]`` is ``(ranks, shape[a])``: which planes each rank touches."""
-    points = int(np.prod(shape))
-    sent = []
-    for every, count in zip(touched, shape, strict=True):
-        starts = np.concatenate([[0], np.cumsum(_blocks(count, ranks))])
-        own = np.stack([_per_block(mask, starts)[rank] for rank, mask in enumerate(every)])
-        sent.append((every.sum() - own.sum()) * (points // count))
-    return int(np.argmin(sent))
+def _row_starts(count: int, ranks: int) -> np.ndarray:
+    """Where each rank's block of ``count`` wave numbers starts (``ranks + 1`` bounds):
+    contiguous blocks, the first ones one larger."""
+    sizes = np.full(ranks, count // ranks, dtype=np.int64) + (np.arange(ranks) < count % ranks)
+    return np.concatenate([[0], np.cumsum(sizes)])
 
 
-def _per_block(mask: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """How many of ``mask``'s planes fall in each rank's block (``starts``: the blocks'
-    bounds)."""
-    before = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
-    return before[starts[1:]] - before[starts[:-1]]
-
-
-def _blocks(count: int, ranks: int) -> np.ndarray:
-    """``count`` planes in ``ranks`` contiguous blocks, the first ones one larger."""
-    return np.full(ranks, count // ranks, dtype=np.int64) + (np.arange(ranks) < count % ranks)
+def _runs(planes: np.ndarray) -> list[tuple[int, int, int]]:
+    """``(first, plane, count)`` for each run of consecutive indices in ``planes``
+    (ascending): ``planes[first : first + count]`` are ``plane, plane + 1, ...``. A
+    rank's planes are one or two runs (its domain, maybe wrapped around the cell), so
+    copies run by run move whole blocks of memory."""
+    breaks = np.flatnonzero(np.diff(planes) != 1) + 1
+    starts = np.concatenate([[0], breaks]).astype(np.int64)
+    stops = np.concatenate([breaks, [len(planes)]]).astype(np.int64)
+    return [
+        (int(start), int(planes[start]), int(stop - start))
+        for start, stop in zip(starts, stops, strict=True)
+        if stop > start
+    ]
 
 
 def _unless_empty(

@@ -280,7 +280,8 @@ class Coulomb(Addable, torch.nn.Module):
         # the slab's part of W without the background: the kernel energy and the
         # G'-weighted moments k_a k_b of the power spectrum; the ranks' parts, their
         # net charges and atom counts are added in one sum
-        power = torch.view_as_real(density_k).square().sum(-1).mul_(lattice.weights)
+        power = torch.addcmul(density_k.real.square(), density_k.imag, density_k.imag)
+        power.mul_(lattice.weights)
         kernel_energy = 0.5 * ivolume * torch.dot(power.reshape(-1), lattice.kernel.reshape(-1))
         moments = 0.5 * ivolume * lattice.second_moments(power.mul_(lattice.slope))
         identity = torch.eye(3, dtype=cell.dtype, device=cell.device)
