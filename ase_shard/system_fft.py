@@ -41,10 +41,10 @@ class SystemFFT:
     """``graph.system_fft``: the ranks' meshes summed and transformed, slab by slab.
 
     Collective: every rank calls :meth:`plan`, :meth:`forward` and then
-    :meth:`inverse` for meshes of the same shape. Each call that moves data
-    starts with the calculator's status vote (as
-    :class:`ase_shard.system_sum.SystemSum` does), so that a rank whose model
-    raised stops the others instead of leaving them waiting.
+    :meth:`inverse` for meshes of the same shape. Each exchange of data is
+    preceded by the calculator's status vote (as in
+    :class:`ase_shard.system_sum.SystemSum`), so that a rank whose model raised
+    stops the others instead of leaving them waiting.
     """
 
     def __init__(self, comm: Comm):
@@ -91,7 +91,6 @@ class SystemFFT:
         in order) at ``k1`` in ``slabs.rows``. The last transform runs along
         contiguous memory, and that layout is kept.
         """
-        check_status(*self.comm.status(False), "during a mesh transform")
         rank = self.comm.rank
         n0, n1, n2 = slabs.shape
         depth = n2 // 2 + 1
@@ -139,7 +138,6 @@ class SystemFFT:
         ``(len(slabs.planes), n1, n2)``. ``spectrum`` is this rank's slab,
         laid out as :meth:`forward` returned it.
         """
-        check_status(*self.comm.status(False), "during a mesh transform")
         rank = self.comm.rank
         n0, n1, n2 = slabs.shape
         depth = n2 // 2 + 1
@@ -192,6 +190,9 @@ class SystemFFT:
         rank = self.comm.rank
         sent, expected = counts_sent.copy(), counts_received.copy()
         sent[rank] = expected[rank] = 0
+        # the vote comes just before the data moves: a rank that raised anywhere before
+        # it (a transform out of memory) stops the others here
+        check_status(*self.comm.status(False), "during a mesh transform")
         received = self.comm.alltoallv_rows(outgoing.numpy(), sent, expected)
         parts = np.split(received, np.cumsum(expected)[:-1])
         return [(s, torch.from_numpy(parts[s])) for s in self._others()]

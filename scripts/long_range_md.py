@@ -15,8 +15,9 @@ Cases (``--case``):
   rank 0 alone and on all ranks, for EMT, D3 and EMT + D3 on 864 Cu, for Ewald and
   PME on 512-atom NaCl and PME with a 10 Å cutoff on 4,096-atom NaCl, each with its
   speed-up and the machine's ceiling sampled in the same run
-  (``ase_shard.bench.machine.Ceiling``); ``--mlip 7net-0`` adds that SevenNet model
-  with and without D3 on 256 Cu.
+  (``ase_shard.bench.machine.Ceiling``), ``--rounds`` times over the cases in turn (a
+  case's speed-up is the median of its rounds'); ``--mlip 7net-0`` adds that SevenNet
+  model with and without D3 on 256 Cu.
 - ``d3-cost``: D3's compiled kernel beside EMT (docs/models.md, "D3"): EMT, D3 (BJ, ATM,
   the tests' 9.7 / 7.9 / 5.3 Å) and EMT + D3 on ``4 * --cu-repeat**3`` fcc Cu (32,000
   by default) timed as in ``cost``; then on rank 0, 108 Cu: D3 by its kernel, by its
@@ -119,7 +120,7 @@ def serial_comm():
     return MPI.COMM_SELF
 
 
-def cost(repeats: int, mlip: str | None) -> list[dict]:
+def cost(repeats: int, rounds: int, mlip: str | None) -> list[dict]:
     """Each model's step time on rank 0 alone and on all ranks, with the ceiling."""
     cases: list[tuple[str, Atoms, Callable[[], object]]] = [
         ("EMT", copper(6), EMT),
@@ -138,28 +139,44 @@ def cost(repeats: int, mlip: str | None) -> list[dict]:
             (mlip, copper(4), lambda: SevenNet(mlip)),
             (f"{mlip} + D3", copper(4), lambda: SevenNet(mlip) + D3(**D3_CUTOFFS)),
         ]
-    return scaling(cases, repeats)
+    return scaling(cases, repeats, rounds)
 
 
-def scaling(cases: list[tuple[str, Atoms, Callable[[], object]]], repeats: int) -> list[dict]:
-    """Each case's step time on rank 0 alone and on all ranks, with the ceiling."""
+def scaling(
+    cases: list[tuple[str, Atoms, Callable[[], object]]], repeats: int, rounds: int = 1
+) -> list[dict]:
+    """Each case's step time on rank 0 alone and on all ranks, with the ceiling.
+
+    ``rounds`` times over all cases in turn, the ceiling sampled after each case; a
+    case's speed-up is the median over rounds of its one-rank time over its all-ranks
+    time in that round (this VM's speed drifts within minutes), its times the medians.
+    """
     serial = serial_comm()
     ceiling = Ceiling(COMM, seconds=1.0)
-    rows = []
-    for name, atoms, make in cases:
+    rows = [
+        {"model": name, "atoms": len(atoms), "rounds_one_rank_s": [], "rounds_ranks_s": []}
+        for name, atoms, _ in cases
+    ]
+    for _ in range(rounds):
+        for row, (_, atoms, make) in zip(rows, cases, strict=True):
 
-        def alone(atoms: Atoms = atoms, make: Callable[[], object] = make) -> float:
-            """The one-rank time, its model built on rank 0 alone."""
-            return step_time(atoms, make(), repeats, serial)
+            def alone(atoms: Atoms = atoms, make: Callable[[], object] = make) -> float:
+                """The one-rank time, its model built on rank 0 alone."""
+                return step_time(atoms, make(), repeats, serial)
 
-        one = COMM.bcast(on_root(COMM, alone))
-        # in one process the one-rank time is the all-ranks time
-        every = one if COMM.size == 1 else step_time(atoms, make(), repeats)
-        ceiling.sample()
-        rows.append({"model": name, "atoms": len(atoms), "one_rank_s": one, "ranks_s": every})
+            one = COMM.bcast(on_root(COMM, alone))
+            # in one process the one-rank time is the all-ranks time
+            every = one if COMM.size == 1 else step_time(atoms, make(), repeats)
+            ceiling.sample()
+            row["rounds_one_rank_s"].append(one)
+            row["rounds_ranks_s"].append(every)
     limit = ceiling.result()["speedup"]
     for row in rows:
-        row["speedup"] = row["one_rank_s"] / row["ranks_s"]
+        one, every = np.array(row["rounds_one_rank_s"]), np.array(row["rounds_ranks_s"])
+        row["one_rank_s"] = float(np.median(one))
+        row["ranks_s"] = float(np.median(every))
+        row["rounds_speedup"] = (one / every).tolist()
+        row["speedup"] = float(np.median(one / every))
         row["ceiling"] = limit
     return rows
 
@@ -228,6 +245,9 @@ def main() -> None:
     parser.add_argument("--cu-repeat", type=int, default=20, help="d3-cost: fcc Cu cells")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="cost: times over the cases, in turns"
+    )
     parser.add_argument("--mlip", help="also time this model with and without D3 (e.g. 7net-0)")
     parser.add_argument(
         "--d3-cutoffs",
@@ -248,7 +268,7 @@ def main() -> None:
         report["nve-d3"] = nve(copper(3), EMT() + D3(**cutoffs), 300.0, args.steps)
         report["nve-d3"]["d3_cutoffs_A"] = args.d3_cutoffs
     if args.case in ("cost", "all"):
-        report["cost"] = cost(args.repeats, args.mlip)
+        report["cost"] = cost(args.repeats, args.rounds, args.mlip)
     if args.case == "d3-cost":
         report["d3-cost"] = d3_cost(args.repeats, args.cu_repeat)
     if not COMM.is_root:

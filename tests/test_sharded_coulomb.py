@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("torchpme")
 
@@ -116,3 +117,30 @@ def test_in_a_sum() -> None:
     ref = on_root(reference)
     got = ase_results(ShardedCalculator(LennardJones(**REPULSION) + coulomb), atoms)
     assert_close_to(got, ref, RTOL)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.skipif(COMM.size == 1, reason="one rank transforms its whole mesh itself")
+def test_a_rank_that_fails_between_the_transposes_stops_the_others(monkeypatch) -> None:
+    """The last rank's first inverse transform raises (as one out of memory would),
+    between the mesh's two transposes: the others stop at the second's vote with its
+    error instead of waiting in its all-to-all; the next call is exact."""
+    atoms = coulomb_systems()["rocksalt"]
+    model = Coulomb(method="pme", cutoff=CUTOFF)
+    ref = on_root(lambda: torchpme_results(model, atoms))
+    last = COMM.size - 1
+    transform = torch.fft.ifft
+
+    def fails_on_the_last_rank(*args, **kwargs):
+        if COMM.rank == last:
+            raise ValueError("transform failed")
+        return transform(*args, **kwargs)
+
+    calc = ShardedCalculator(model)
+    atoms.calc = calc
+    monkeypatch.setattr(torch.fft, "ifft", fails_on_the_last_rank)
+    with pytest.raises(ValueError, match=rf"transform failed \[rank {last}\]$") as caught:
+        atoms.get_forces()
+    assert len(set(COMM.allgather(str(caught.value)))) == 1
+    monkeypatch.undo()
+    assert_close_to(ase_results(calc, atoms), ref, RTOL)
