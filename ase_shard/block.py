@@ -348,9 +348,11 @@ class LocalBlock:
                 float(model.cutoff) + skin,
                 n_centres=self.n_owned if owned_only else self.n_nodes,
                 neighbor_list=neighbor_list,
+                # a pair between owned nodes is searched from its lower end only
+                once_by=node if newton_pair else None,
             )
             neighbour = node[neighbour_row]
-            if newton_pair:
+            if newton_pair and self._halo is not None:
                 kept = self._pairs_once(centre, neighbour)
                 centre, neighbour_row = centre[kept], neighbour_row[kept]
                 neighbour = neighbour[kept]
@@ -381,28 +383,26 @@ class LocalBlock:
                 )
 
     def _pairs_once(self, centre: torch.Tensor, neighbour: torch.Tensor) -> torch.Tensor:
-        """The edges a ``newton_pair`` model evaluates, one per pair, in their order.
+        """The edges a ``newton_pair`` model evaluates with a pair halo, in their order.
 
-        Of a pair of owned nodes, the edge from the lower one; an edge to an
-        image of its own centre (both images are listed) and, without a pair
-        halo, every edge to a ghost, all as listed. With one, the edges to
-        ghosts whose pair this rank takes (:func:`centre_takes_pair`; the other
-        rank lists the same pair and leaves it) come first, grouped by ghost.
+        The search lists, of a pair of owned nodes, the edge from the lower one
+        only (``once_by``); an edge to an image of its own centre (both images
+        are listed) and, without a pair halo, every edge to a ghost, all as
+        listed, are kept. With one, the edges to ghosts whose pair this rank
+        takes (:func:`centre_takes_pair`; the other rank lists the same pair and
+        leaves it) come first, grouped by ghost, then the others in their order.
 
         The kernel adds to a ghost's sums at each of its edges: grouped, those
         additions reach the same memory one after another instead of
         scattering over all ghosts (bulk Cu on two ranks, EMT, 47,000 of
         688,000 edges to ghosts: about 1 ms of a 60 ms step).
         """
-        keep = neighbour >= centre  # ghosts are numbered after every owned node
-        if self._halo is None:
-            return keep.nonzero().squeeze(1)
         ghost = (neighbour >= self.n_owned).nonzero().squeeze(1)
         ends = self.ids[centre[ghost].numpy()], self.ids[neighbour[ghost].numpy()]
         taken = ghost[torch.from_numpy(centre_takes_pair(*ends))]
         ghosts = neighbour[taken].numpy() - self.n_owned
         taken = taken[torch.from_numpy(grouped_order(ghosts, self.n_nodes - self.n_owned))]
-        keep[ghost] = False  # the edges between owned nodes remain, in their order
+        keep = neighbour < self.n_owned  # the edges between owned nodes, in their order
         return torch.cat([taken, keep.nonzero().squeeze(1)])
 
     def _count_hops(

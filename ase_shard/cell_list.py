@@ -17,7 +17,9 @@ import numpy as np
 BINS_PER_POINT = 4
 
 
-def cell_list_pairs(points: np.ndarray, cutoff: float, n_centres: int) -> np.ndarray:
+def cell_list_pairs(
+    points: np.ndarray, cutoff: float, n_centres: int, once_by: np.ndarray | None = None
+) -> np.ndarray:
     """``(2, E)`` int64 full list centred on the first ``n_centres`` rows (no periodicity).
 
     Parameters
@@ -28,6 +30,9 @@ def cell_list_pairs(points: np.ndarray, cutoff: float, n_centres: int) -> np.nda
         Search radius in Å: pairs with ``|r_j - r_i| < cutoff``, ``i != j``.
     n_centres : int
         Only pairs whose centre ``i`` is below ``n_centres``.
+    once_by : numpy.ndarray, optional
+        ``(n,)`` int64: only the pairs with ``once_by[j] >= i``
+        (:func:`ase_shard.neighbors.neighbor_pairs`), never written otherwise.
 
     Returns
     -------
@@ -49,12 +54,17 @@ def cell_list_pairs(points: np.ndarray, cutoff: float, n_centres: int) -> np.nda
     # on from there into more room, sized by the pairs per centre found so far
     density = len(points) / np.prod(extent + cutoff)
     capacity = int(1.5 * n_centres * density * 4.19 * cutoff**3) + 1024
+    if once_by is not None:
+        capacity //= 2  # about one of a pair's two directions
     capacity = min(capacity, n_centres * len(points))
+    once = once_by is not None
+    nodes = np.ascontiguousarray(once_by, dtype=np.int64) if once else np.zeros(0, np.int64)
     parts, done = [], 0
     while True:
         pairs = np.empty((2, capacity), dtype=np.int64)
         found, done = _sweep(
-            sorted_points, order, cell, start, shape, n_centres, cutoff * cutoff, done, pairs
+            sorted_points, order, cell, start, shape, n_centres, cutoff * cutoff, once, nodes,
+            done, pairs,
         )
         parts.append(pairs[:, :found])
         if done == len(points):
@@ -132,11 +142,12 @@ def _bin(points, lo, width, shape):  # pragma: no cover - compiled
 
 @numba.njit(cache=True)
 def _sweep(
-    sorted_points, order, cell, start, shape, n_centres, cutoff2, first, pairs
+    sorted_points, order, cell, start, shape, n_centres, cutoff2, once, nodes, first, pairs
 ):  # pragma: no cover - compiled
     """Write the pairs of the centres from row ``first`` on (in bin order) into
-    ``pairs``; stop before the first centre whose pairs do not fit. Return the pairs
-    written and the row to go on from (``n`` when every centre is done)."""
+    ``pairs`` (with ``once``, only those with ``nodes[j] >= i``); stop before the first
+    centre whose pairs do not fit. Return the pairs written and the row to go on from
+    (``n`` when every centre is done)."""
     n = sorted_points.shape[0]
     s1 = shape[1]
     s2 = shape[2]
@@ -162,6 +173,8 @@ def _sweep(
                     dy = sorted_points[q, 1] - y
                     dz = sorted_points[q, 2] - z
                     if dx * dx + dy * dy + dz * dz < cutoff2 and q != qi:
+                        if once and nodes[order[q]] < i:
+                            continue
                         if written == capacity:
                             return found, qi  # this centre again, in more room
                         pairs[0, written] = i

@@ -26,6 +26,7 @@ def neighbor_pairs(
     cutoff: float,
     n_centres: int | None = None,
     neighbor_list: str = "auto",
+    once_by: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Full list of pairs closer than ``cutoff``, optionally centred on the first rows only.
 
@@ -43,13 +44,21 @@ def neighbor_pairs(
         The search: the compiled cell list or ``vesin`` (both on the host), the
         torch cell list (on the tensors' device), or ``auto``: numba for CPU
         tensors, torch elsewhere.
+    once_by : torch.Tensor, optional
+        ``(n,)`` int64, the node (atom) of each row, the first rows being the nodes
+        themselves: only the pairs ``(i, j)`` with ``once_by[j] >= i`` are listed,
+        one of the two directions of a pair between centres (a pair's other
+        direction is never held: half the memory of a rebuild for a model that
+        takes each pair once). The compiled cell list never writes the others;
+        the other searches drop them after.
 
     Returns
     -------
     torch.Tensor
         ``(2, E)`` int64 on ``positions.device``: both ``(i, j)`` and ``(j, i)``
         for every pair with ``|r_j - r_i| < cutoff``, ``i != j``, less those
-        whose centre ``i`` is not one of the centres; in no particular order.
+        whose centre ``i`` is not one of the centres (and, with ``once_by``, those
+        it leaves out); in no particular order.
 
     Raises
     ------
@@ -66,7 +75,8 @@ def neighbor_pairs(
         return torch.zeros((2, 0), dtype=torch.int64, device=positions.device)
     positions = positions.detach().to(torch.float64)
     if neighbor_list == "torch" or (neighbor_list == "auto" and positions.device.type != "cpu"):
-        return _cell_list_pairs(close_gaps(positions, cutoff), cutoff, n_centres)
+        pairs = _cell_list_pairs(close_gaps(positions, cutoff), cutoff, n_centres)
+        return pairs if once_by is None else _once(pairs, once_by.to(pairs.device))
     # numba loads its machinery (about 1 s) only in processes that search on the host
     from ase_shard.cell_list import cell_list_pairs, has_empty_slab
 
@@ -74,8 +84,15 @@ def neighbor_pairs(
     if has_empty_slab(points, 4.0 * cutoff):  # the test of close_gaps, compiled
         points = _narrow_gaps(torch.from_numpy(points), cutoff).numpy()
     if neighbor_list == "vesin":
-        return torch.from_numpy(_vesin_pairs(points, cutoff, n_centres)).to(positions.device)
-    return torch.from_numpy(cell_list_pairs(points, cutoff, n_centres)).to(positions.device)
+        pairs = torch.from_numpy(_vesin_pairs(points, cutoff, n_centres))
+        return (pairs if once_by is None else _once(pairs, once_by.cpu())).to(positions.device)
+    nodes = None if once_by is None else once_by.cpu().numpy()
+    return torch.from_numpy(cell_list_pairs(points, cutoff, n_centres, nodes)).to(positions.device)
+
+
+def _once(pairs: torch.Tensor, once_by: torch.Tensor) -> torch.Tensor:
+    """The pairs ``(i, j)`` with ``once_by[j] >= i`` (:func:`neighbor_pairs`)."""
+    return pairs[:, once_by[pairs[1]] >= pairs[0]]
 
 
 def close_gaps(positions: torch.Tensor, cutoff: float) -> torch.Tensor:

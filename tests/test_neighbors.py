@@ -72,6 +72,29 @@ def test_pairs_match_brute_force(kind: str, n: int, cutoff: float) -> None:
 
 
 @pytest.mark.parametrize("kind", ["uniform", "clusters", "sheet"])
+@pytest.mark.parametrize("cutoff", [0.7, 3.0])
+def test_once_by_lists_one_direction_of_each_pair(kind: str, cutoff: float) -> None:
+    """With ``once_by`` (rows mapped to nodes, as a rank's periodic images are), every path
+    gives exactly the brute-force pairs ``(i, j)`` with ``once_by[j] >= i``: of two
+    centres' pair the edge from the lower, every edge to a higher node's row, both
+    edges between a node and an image of itself."""
+    points = _cloud(kind, 400, seed=7)
+    rng = np.random.default_rng(8)
+    # the first 300 rows are nodes; the last 100 rows are images of random ones
+    node = np.concatenate([np.arange(300), rng.integers(0, 300, 100)])
+    expected = _brute_force(points, cutoff)
+    for n_centres in (300, 120):
+        want = _centred(expected, n_centres)
+        want = want[node[want[:, 1]] >= want[:, 0]]
+        for path in PATHS:
+            pairs = neighbor_pairs(
+                torch.from_numpy(points), cutoff, n_centres, path, once_by=torch.from_numpy(node)
+            )
+            np.testing.assert_array_equal(_sorted_pairs(pairs), want, err_msg=path)
+    assert len(want) > 0
+
+
+@pytest.mark.parametrize("kind", ["uniform", "clusters", "sheet"])
 @pytest.mark.parametrize("slab", [7, 60])
 def test_slabs_give_the_same_pairs(kind: str, slab: int, monkeypatch) -> None:
     """Blocks beyond ``VESIN_SLAB`` points are searched by slabs: still exactly brute force,
