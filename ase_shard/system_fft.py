@@ -120,9 +120,9 @@ class SystemFFT:
             block = block.view(int(held[sender]), mine, depth)
             for first, plane, count in _runs(np.flatnonzero(slabs.touched[sender])):
                 planes[plane : plane + count] += block[first : first + count]
-        # the transform along the planes' axis, (k1, k2, k0) in memory: MKL's
-        # out-of-place transform leaves its axis innermost, and so does the transpose
-        # (contiguous() copies only where another FFT library does not)
+        # the transform along the planes' axis, kept (k1, k2, k0) in memory: MKL's
+        # out-of-place transform writes its axis innermost, so the permuted result is
+        # contiguous as it is (contiguous() copies only under an FFT library that does not)
         spectrum = _unless_empty(
             lambda planes: torch.fft.fft(planes, dim=0).permute(1, 2, 0).contiguous(),
             planes,

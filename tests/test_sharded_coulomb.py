@@ -120,7 +120,6 @@ def test_in_a_sum() -> None:
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.skipif(COMM.size == 1, reason="one rank transforms its whole mesh itself")
 def test_a_rank_that_fails_between_the_transposes_stops_the_others(monkeypatch) -> None:
     """The last rank's first inverse transform raises (as one out of memory would),
     between the mesh's two transposes: the others stop at the second's vote with its
