@@ -385,12 +385,12 @@ class LocalBlock:
     def _pairs_once(self, centre: torch.Tensor, neighbour: torch.Tensor) -> torch.Tensor:
         """The edges a ``newton_pair`` model evaluates with a pair halo, in their order.
 
-        The search lists, of a pair of owned nodes, the edge from the lower one
-        only (``once_by``); an edge to an image of its own centre (both images
-        are listed) and, without a pair halo, every edge to a ghost, all as
-        listed, are kept. With one, the edges to ghosts whose pair this rank
-        takes (:func:`centre_takes_pair`; the other rank lists the same pair and
-        leaves it) come first, grouped by ghost, then the others in their order.
+        The search has already left, of a pair of owned nodes, the edge from the
+        lower one only (``once_by``); without a pair halo its list is the one
+        evaluated. With one, the edges to ghosts whose pair this rank takes
+        (:func:`centre_takes_pair`; the other rank lists the same pair and
+        leaves it) come first, grouped by ghost, then the edges between owned
+        nodes in their order.
 
         The kernel adds to a ghost's sums at each of its edges: grouped, those
         additions reach the same memory one after another instead of

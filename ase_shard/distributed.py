@@ -158,7 +158,7 @@ def _constructing_driver() -> Any:
 # -- moving atoms between ranks -------------------------------------------------------------
 
 
-def _layout(arrays: dict[str, np.ndarray]) -> list[tuple[str, str, tuple[int, ...]]]:
+def array_layout(arrays: dict[str, np.ndarray]) -> list[tuple[str, str, tuple[int, ...]]]:
     """``(name, dtype, per-atom shape)`` of every per-atom array."""
     layout = []
     for name, array in arrays.items():
@@ -198,7 +198,7 @@ def agreed_layout(atoms: Atoms, comm: Comm) -> list:
     ASE's getters would return.
     """
     union: dict[str, tuple] = {}
-    for rank_layout in comm.share(lambda: _layout(atoms.arrays)):
+    for rank_layout in comm.share(lambda: array_layout(atoms.arrays)):
         for name, dtype, shape in rank_layout:
             if union.setdefault(name, (dtype, shape)) != (dtype, shape):
                 error = ValueError(
@@ -325,7 +325,7 @@ def _header(atoms: Atoms | None) -> tuple:
             "distribute: constraints are not supported on distributed atoms (their atom "
             f"indices would not follow migrating atoms): {atoms.constraints}"
         )
-    layout = _layout(with_global_ids(atoms).arrays)
+    layout = array_layout(with_global_ids(atoms).arrays)
     return len(atoms), layout, atoms.cell.array.copy(), atoms.pbc.copy(), dict(atoms.info)
 
 

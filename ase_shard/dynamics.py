@@ -76,8 +76,8 @@ class Langevin(langevin.Langevin):
                     "per-atom values would not follow atoms migrating between ranks"
                 )
             draw = getattr(self.rng, "integers", None) or self.rng.randint
-            seed = int(draw(2**63, dtype=np.int64)) if atoms.comm.is_root else None
-            self.noise = AtomNoise(atoms.comm.bcast(seed))
+            # drawn on rank 0 (its generator is the one a checkpoint keeps), for all
+            self.noise = AtomNoise(atoms.comm.decide(lambda: int(draw(2**63, dtype=np.int64))))
 
     def step(self, forces: np.ndarray | None = None) -> np.ndarray:
         """One step (ASE's Eq. 23 of Vanden-Eijnden and Ciccotti); forces in eV/Å.

@@ -36,7 +36,14 @@ from ase.io.trajectory import TrajectoryWriter
 from ase.parallel import DummyMPI
 
 from ase_shard.comm import Comm
-from ase_shard.distributed import GLOBAL_ID, DistributedAtoms, gather, with_global_ids
+from ase_shard.distributed import (
+    GLOBAL_ID,
+    DistributedAtoms,
+    array_layout,
+    gather,
+    rows_width,
+    with_global_ids,
+)
 
 # results the same on every rank, and results with one row per local atom
 GLOBAL_RESULTS = ("energy", "free_energy", "stress")
@@ -239,7 +246,7 @@ class ShardedTrajectory:
                 "frame": self.frames,
                 "offset": offset,
                 "rows": len(atoms),
-                "arrays": [[name, a.dtype.str, list(a.shape[1:])] for name, a in arrays.items()],
+                "arrays": array_layout(arrays),
                 "n_atoms": atoms.get_global_number_of_atoms(),
                 "cell": atoms.cell.array.tolist(),
                 "pbc": atoms.pbc.tolist(),
@@ -338,7 +345,10 @@ def cut_back_shards(path: str | Path, keep: Callable[[dict], bool]) -> int:
     for rows, (lines, cut_short) in files.items():
         keeping = [line for line in lines if line["frame"] in kept]
         # rows written after the last line that lists them go too
-        end = max((line["offset"] + _frame_bytes(line) for line in keeping), default=0)
+        end = max(
+        (line["offset"] + line["rows"] * rows_width(line["arrays"]) for line in keeping),
+        default=0,
+    )
         os.truncate(rows, end)
         if len(keeping) < len(lines) or cut_short:
             index = rows.with_suffix(".index")
@@ -346,14 +356,6 @@ def cut_back_shards(path: str | Path, keep: Callable[[dict], bool]) -> int:
             temporary.write_text("".join(json.dumps(line) + "\n" for line in keeping))
             os.replace(temporary, index)
     return len(kept)
-
-
-def _frame_bytes(line: dict) -> int:
-    """The bytes of one rank's rows of one frame."""
-    return line["rows"] * sum(
-        np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64))
-        for _, dtype, shape in line["arrays"]
-    )
 
 
 def json_info(info: dict) -> dict:

@@ -261,28 +261,26 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
             "the Berendsen integrators' centre-of-mass fix sums each rank's atoms only"
         )
     modality, reach, d3, coulomb = args.modality, args.interaction_range, args.d3, args.coulomb
-    if args.restart is not None:
-        atoms, start, recorded = read_restart(args.restart)
-        spec, modality = restart_model(args.restart, recorded, spec, modality)
-        reach = restart_option(args.restart, "interaction_range", recorded, reach)
-        d3 = restart_option(args.restart, "d3", recorded, d3)
-        coulomb = restart_option(args.restart, "coulomb", recorded, coulomb)
-        args.dtype = restart_option(args.restart, "dtype", recorded, args.dtype)
-        defaults = FILE_DEFAULTS if recorded is None else recorded.defaults
-        label = f"{args.restart} from step {start.step}"
-    elif saved is not None:
-        atoms, recorded = saved.atoms, Physics.from_info(saved.record["physics"])
-        start = Start(saved.step, float(saved.record["run"]["time_fs"]))
-        resumed = partial(restart_option, args.resume, recorded=recorded, flag="--resume")
-        spec, modality = restart_model(args.resume, recorded, spec, modality, flag="--resume")
-        reach = resumed(option="interaction_range", given=reach)
-        d3 = resumed(option="d3", given=d3)
-        coulomb = resumed(option="coulomb", given=coulomb)
-        args.dtype = resumed(option="dtype", given=args.dtype)
-        for option in ("temperature", "compressibility"):
-            resumed(option=option, given=getattr(args, option))
-        defaults = recorded.defaults
-        label = f"{args.resume} from step {start.step}"
+    if args.restart is not None or saved is not None:
+        if args.restart is not None:
+            path, flag = args.restart, "--restart"
+            atoms, start, recorded = read_restart(args.restart)
+            defaults = FILE_DEFAULTS if recorded is None else recorded.defaults
+        else:
+            path, flag = args.resume, "--resume"
+            atoms, recorded = saved.atoms, Physics.from_info(saved.record["physics"])
+            start = Start(saved.step, float(saved.record["run"]["time_fs"]))
+            defaults = recorded.defaults
+        spec, modality = restart_model(path, recorded, spec, modality, flag=flag)
+        kept = partial(restart_option, path, recorded=recorded, flag=flag)
+        reach = kept(option="interaction_range", given=reach)
+        d3 = kept(option="d3", given=d3)
+        coulomb = kept(option="coulomb", given=coulomb)
+        args.dtype = kept(option="dtype", given=args.dtype)
+        if saved is not None:
+            for option in ("temperature", "compressibility"):
+                kept(option=option, given=getattr(args, option))
+        label = f"{path} from step {start.step}"
     else:
         (atoms, defaults, label), start = load_system(args), Start()
         spec = spec or resolve_model(defaults.model)
@@ -353,11 +351,16 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
             stack.callback(progress.close)  # ends the bar's line, also before a message
         dyn.attach(guard, interval=1)  # first: no frame of a blown-up step is written
         writer = None
-        if saved is not None and world.rank == 0:  # what was written after the checkpoint goes
-            if args.trajectory and os.path.exists(args.trajectory):
-                cut_back_frames(args.trajectory, start.step)
-            if args.log and args.log != "-" and os.path.exists(args.log):
-                cut_back_rows(args.log, start.step)
+        if saved is not None:  # what was written after the checkpoint goes
+
+            def cut_back() -> None:
+                if args.trajectory and os.path.exists(args.trajectory):
+                    cut_back_frames(args.trajectory, start.step)
+                if args.log and args.log != "-" and os.path.exists(args.log):
+                    cut_back_rows(args.log, start.step)
+
+            # on rank 0; an error there reaches every rank (none waits in the writer)
+            Comm().decide(cut_back)
         if writer_path:
             append = args.restart is not None and _same_file(writer_path, args.restart)
             append = append or saved is not None
