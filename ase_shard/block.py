@@ -184,6 +184,25 @@ def centre_takes_pair(centre_ids: np.ndarray, neighbour_ids: np.ndarray) -> np.n
     return ((mixed >> np.uint64(32)) & np.uint64(1)).astype(bool) == (centre_ids < neighbour_ids)
 
 
+# Rows per gather of rows_to_nodes on the host: its scratch stays in cache.
+NODES_CHUNK = 1 << 16
+
+
+def rows_to_nodes(rows: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
+    """``node[rows]``, written over ``rows`` (and returned): each edge's neighbour row
+    (an owned or ghost node, or a folded image of one) as its node.
+
+    In place, so the search's list is the block's, held once; on the host a chunk
+    at a time, so the gather's scratch is a chunk's, not the list's (4 or 8 bytes
+    an edge at the rebuild's peak).
+    """
+    if rows.device.type != "cpu":
+        return rows.copy_(node.index_select(0, rows))
+    for chunk in rows.split(NODES_CHUNK):
+        chunk.copy_(node.index_select(0, chunk))
+    return rows
+
+
 def edge_images(
     n_edges: int, shifted: np.ndarray, shifts: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -199,7 +218,7 @@ def edge_images(
 
     Returns
     -------
-    image : (n_edges,) int16 or int32 array
+    image : (n_edges,) int8, int16 or int32 array
         Each edge's row of ``table``; 0 for the edges not in ``shifted``.
     table : (m, 3) float64 array
         The distinct shifts in cells, zero first: ``table @ cell`` are the offsets in Å.
@@ -214,7 +233,10 @@ def edge_images(
     present[key] = True
     distinct = np.stack(np.unravel_index(np.flatnonzero(present), span), axis=1) + low
     table = np.concatenate([np.zeros((1, 3)), distinct])
-    image = np.zeros(n_edges, dtype=np.int16 if len(table) <= 2**15 else np.int32)
+    # a byte an edge while the distinct shifts are few (as usual: the cells around
+    # the box), two or four beyond
+    kind = np.int8 if len(table) <= 2**7 else np.int16 if len(table) <= 2**15 else np.int32
+    image = np.zeros(n_edges, dtype=kind)
     image[shifted] = np.cumsum(present)[key]  # rows of ``distinct`` from 1: 0 is no shift
     return image, table
 
@@ -343,44 +365,49 @@ class LocalBlock:
             # features from their owners (per-layer halo); folded images never
             # centre an edge, their node already has them all.
             owned_only = exchange is not None or int(model.num_layers) == 1
-            centre, neighbour_row = neighbor_pairs(
+            # the host kernels take int32 indices: half the list's bytes (the edges
+            # are most of a block's memory); torch's scatters want int64
+            host32 = self._direct is not None and node.shape[0] < 2**31
+            centre, row = neighbor_pairs(
                 atoms[node] + image_shift @ cell,
                 float(model.cutoff) + skin,
                 n_centres=self.n_owned if owned_only else self.n_nodes,
                 neighbor_list=neighbor_list,
                 # a pair between owned nodes is searched from its lower end only
                 once_by=node if newton_pair else None,
+                dtype=torch.int32 if host32 else torch.int64,
             )
-            neighbour = node[neighbour_row]
             if newton_pair and self._halo is not None:
-                kept = self._pairs_once(centre, neighbour)
-                centre, neighbour_row = centre[kept], neighbour_row[kept]
-                neighbour = neighbour[kept]
+                kept = self._pairs_once(centre, node[row])
+                centre, row = centre[kept], row[kept]
             # the edges within the cutoff at a step are counted per hop level
             # (what ends each level); one level when all are centred on owned nodes
             ends = [centre.shape[0]]
             self._hops: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None
             if not owned_only:
-                ends, kept = self._count_hops(centre, neighbour, int(model.num_layers))
+                ends, kept = self._count_hops(centre, node[row], int(model.num_layers))
                 if kept is not None:
-                    centre, neighbour_row = centre[kept], neighbour_row[kept]
-                    neighbour = neighbour[kept]
+                    centre, row = centre[kept], row[kept]
             self._level_ends = np.asarray(ends, dtype=np.int64)
             self._level_last = torch.as_tensor(self._level_ends - 1, device=self.device)
             self.centre = centre
-            self.neighbour = neighbour
             # cells between the neighbour's row and its node, kept for the few edges
             # that cross to a periodic image (24 bytes an edge for all would add up):
             # those to a folded row, another image of its node than the node's own
-            self.shifted_edges = (neighbour_row >= self.n_nodes).nonzero().squeeze(1)
-            self.edge_shift = (
-                image_shift[neighbour_row[self.shifted_edges]]
-                - image_shift[neighbour[self.shifted_edges]]
-            )
-            if self._direct is not None:
-                self._images = edge_images(
-                    centre.shape[0], self.shifted_edges.numpy(), self.edge_shift.numpy()
-                )
+            shifted = (row >= self.n_nodes).nonzero().squeeze(1)
+            shifted_rows = row[shifted]
+            self.neighbour = rows_to_nodes(row, node)
+            shift = image_shift[shifted_rows] - image_shift[self.neighbour[shifted]]
+            # the shifted edges and their shifts in cells (torch's path), or each edge's
+            # row of a small table of shifts (the kernels'; 2 bytes an edge instead of
+            # 56 a shifted edge, a few per cent of them, with their offsets)
+            self.shifted_edges: torch.Tensor | None = None
+            self.edge_shift: torch.Tensor | None = None
+            self._images: tuple[np.ndarray, np.ndarray] | None = None
+            if self._direct is None:
+                self.shifted_edges, self.edge_shift = shifted, shift
+            else:
+                self._images = edge_images(centre.shape[0], shifted.numpy(), shift.numpy())
 
     def _pairs_once(self, centre: torch.Tensor, neighbour: torch.Tensor) -> torch.Tensor:
         """The edges a ``newton_pair`` model evaluates with a pair halo, in their order.
@@ -471,14 +498,16 @@ class LocalBlock:
         """Give the compiled model graphs of these sizes from now on."""
         self.capacity = capacity
 
-    def _offsets(self, cell: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cartesian offsets (Å) of the nodes' and the shifted edges' images."""
+    def _offsets(self, cell: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Cartesian offsets (Å) of the nodes' and the shifted edges' images (the
+        latter ``None`` where the kernels read each edge's image, ``_images``)."""
         # they change only with the cell (barostats); compared on the host, where
         # a comparison costs no wait for a device
         if self._shift_cell is None or not np.array_equal(self._shift_cell, cell):
             self._shift_cell = np.array(cell, dtype=np.float64)
             on_device = torch.as_tensor(self._shift_cell, device=self.device)
-            self._shifts = (self.node_shift @ on_device, self.edge_shift @ on_device)
+            edges = None if self.edge_shift is None else self.edge_shift @ on_device
+            self._shifts = (self.node_shift @ on_device, edges)
             self._device_cell = on_device
         return self._shifts
 
@@ -708,8 +737,26 @@ class LocalBlock:
         # formed in place: the (E, 3) temporaries are the largest of a step
         vectors = positions.index_select(0, self.neighbour)
         vectors -= positions.index_select(0, self.centre)
-        vectors.index_add_(0, self.shifted_edges, self._offsets(cell)[1])
+        vectors.index_add_(0, *self._edge_offsets(cell))
         return vectors
+
+    def image_edges(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The edges whose neighbour sits at another image of its node than the node's
+        row, and the shift between the two in cells: ``(S,)`` int64, ``(S, 3)`` float64
+        (an edge's vector is ``r_neighbour - r_centre`` plus its shift ``@ cell``)."""
+        if self._images is None:
+            return self.shifted_edges, self.edge_shift
+        # formed again from the kernels' table (for the rare distance check)
+        image, table = self._images
+        shifted = np.flatnonzero(image)
+        return torch.from_numpy(shifted), torch.from_numpy(table[image[shifted]])
+
+    def _edge_offsets(self, cell: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`image_edges` with the shifts as offsets in Å (cached on torch's path)."""
+        if self._images is None:
+            return self.shifted_edges, self._offsets(cell)[1]
+        shifted, shift = self.image_edges()
+        return shifted, shift @ torch.as_tensor(cell, dtype=torch.float64)
 
     def _check_distances(self, positions: torch.Tensor, cell: np.ndarray) -> None:
         """Raise ``ValueError`` naming the closest pair closer than ``min_distance``.

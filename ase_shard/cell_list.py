@@ -18,9 +18,13 @@ BINS_PER_POINT = 4
 
 
 def cell_list_pairs(
-    points: np.ndarray, cutoff: float, n_centres: int, once_by: np.ndarray | None = None
+    points: np.ndarray,
+    cutoff: float,
+    n_centres: int,
+    once_by: np.ndarray | None = None,
+    dtype: type[np.signedinteger] = np.int64,
 ) -> np.ndarray:
-    """``(2, E)`` int64 full list centred on the first ``n_centres`` rows (no periodicity).
+    """``(2, E)`` full list centred on the first ``n_centres`` rows (no periodicity).
 
     Parameters
     ----------
@@ -33,11 +37,13 @@ def cell_list_pairs(
     once_by : numpy.ndarray, optional
         ``(n,)`` int64: only the pairs with ``once_by[j] >= i``
         (:func:`ase_shard.neighbors.neighbor_pairs`), never written otherwise.
+    dtype : numpy integer type
+        Of the pairs: ``numpy.int32`` halves the list where row numbers fit in it.
 
     Returns
     -------
     numpy.ndarray
-        Pairs ``(i, j)``, grouped by centre (centres in bin order).
+        Pairs ``(i, j)`` of ``dtype``, grouped by centre (centres in bin order).
     """
     points = np.ascontiguousarray(points, dtype=np.float64)
     lo, hi = _bounds(points)
@@ -61,7 +67,7 @@ def cell_list_pairs(
     nodes = np.ascontiguousarray(once_by, dtype=np.int64) if once else np.zeros(0, np.int64)
     parts, done = [], 0
     while True:
-        pairs = np.empty((2, capacity), dtype=np.int64)
+        pairs = np.empty((2, capacity), dtype=dtype)
         found, done = _sweep(
             sorted_points, order, cell, start, shape, n_centres, cutoff * cutoff, once, nodes,
             done, pairs,

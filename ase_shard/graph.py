@@ -406,7 +406,7 @@ class EdgeList:
         Node positions in Å (owned nodes first, then ghosts).
     numbers : (n,) int64 array
     centre, neighbour : (E,) int64 arrays
-    image : (E,) int16 or int32 array
+    image : (E,) int8, int16 or int32 array
         Each edge's periodic image of its neighbour, a row of ``offsets``.
     offsets : (m, 3) float64 array
         Image offsets in Å: edge ``e``'s vector is

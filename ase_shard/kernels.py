@@ -23,10 +23,10 @@ as its force and half of the virial ``d ⊗ dE/dd``.
 
 EMT (two passes): the energy of an atom depends on its density, so an edge
 gives each end its own energy terms. The first pass sums the densities and
-keeps three numbers per pair taken; the second, once every atom's
-``dE/dsigma1`` is known, sums the forces and virials. Between them, with a
-halo, the ghost ends' densities go to their owners and their ``dE/dsigma1``
-come back.
+keeps three numbers per pair taken (two for one element); the second, once
+every atom's ``dE/dsigma1`` is known, sums the forces and virials. Between
+them, with a halo, the ghost ends' densities go to their owners and their
+``dE/dsigma1`` come back.
 
 Compiled on first use and cached on disk by numba (``cache=True``). Divisions
 follow numpy's rules (``error_model="numpy"``): coincident atoms give
@@ -123,8 +123,10 @@ def emt_forces(
     # (:mod:`ase_shard.summation`): with ~80 neighbours each, plain sums were the
     # energy's main noise
     sums = np.zeros((4, len(numbers)))
+    # one element: a pair's density terms seen from its two ends are the same number
+    mixed = len(numbers) > 0 and numbers.min() != numbers.max()
     terms, closest = _emt_densities(
-        table, rc, acut, beta, cutoff2, numbers, *arrays, n_owned, split, sums
+        table, rc, acut, beta, cutoff2, numbers, *arrays, n_owned, split, mixed, sums
     )
     if split:
         # a ghost's partial sums travel as one number each (not four): its owner adds
@@ -133,6 +135,7 @@ def emt_forces(
         halo.sum_ghost_columns(sums[:2])
     dcohesive = np.zeros((1, len(numbers)))
     _emt_energies(table, beta, numbers, sums, n_owned, out, dcohesive[0])
+    del sums  # spent: not held through the second pass, at the step's peak
     if split:
         halo.copy_owner_columns(dcohesive)
     _emt_pair_forces(
@@ -145,11 +148,20 @@ def _arrays(edges: EdgeList) -> tuple[np.ndarray, ...]:
     """The edge list's arrays in the kernels' types, contiguous."""
     return (
         np.ascontiguousarray(edges.positions, dtype=np.float64),
-        np.ascontiguousarray(edges.centre, dtype=np.int64),
-        np.ascontiguousarray(edges.neighbour, dtype=np.int64),
+        _indices(edges.centre),
+        _indices(edges.neighbour),
         np.ascontiguousarray(edges.image),
         np.ascontiguousarray(edges.offsets, dtype=np.float64).reshape(-1, 3),
     )
+
+
+def _indices(values: np.ndarray) -> np.ndarray:
+    """Edge ends as the kernels take them: int32 (a block's lists) or int64, contiguous.
+
+    Either is compiled as given: a conversion would copy the list at every step.
+    """
+    values = np.ascontiguousarray(values)
+    return values if values.dtype in (np.int32, np.int64) else values.astype(np.int64)
 
 
 @numba.njit(cache=True, error_model="numpy", inline="always")
@@ -339,7 +351,7 @@ def _flush_centre(sums, node, density, density_error, pair, pair_error):  # prag
 @numba.njit(cache=True, error_model="numpy")
 def _emt_densities(  # pragma: no cover - compiled
     table, rc, acut, beta, cutoff2, numbers, positions, centre, neighbour, image, offsets,
-    n_owned, split, sums,
+    n_owned, split, mixed, sums,
 ):
     """Pass 1: each node's density and pair sum into ``sums`` (4, n); per-pair terms.
 
@@ -351,9 +363,10 @@ def _emt_densities(  # pragma: no cover - compiled
     """
     inverse_n0 = 1.0 / table[:, EMT_N0]  # divisions are slow: one per element, not per edge
     inverse_beta = 1.0 / beta
-    # per edge taken: d(density w)/dr / r seen from the centre and from the
-    # neighbour, and 0.5 d(pair w)/dr / r (the same seen from either end)
-    terms = np.empty((centre.shape[0], 3))
+    # per edge taken: d(density w)/dr / r seen from the centre, 0.5 d(pair w)/dr / r
+    # (the same seen from either end) and, where the elements are ``mixed``, the first
+    # seen from the neighbour (without, it is the first: 8 bytes a pair fewer)
+    terms = np.empty((centre.shape[0], 3 if mixed else 2))
     closest = np.inf
     taken = 0
     current = -1  # the centre being summed in registers
@@ -394,13 +407,14 @@ def _emt_densities(  # pragma: no cover - compiled
         density_sum, density_error = same_sign_step(density_sum, density_error, density * w)
         pair_sum, pair_error = same_sign_step(pair_sum, pair_error, pair * w)
         terms[taken, 0] = density * (dw - table[zj, EMT_ETA2] * w) / r
-        terms[taken, 2] = 0.5 * (pair * dw - dpair) / r
+        terms[taken, 1] = 0.5 * (pair * dw - dpair) / r
         if ends == 2:
             if zi != zj:
                 density = math.exp(-table[zi, EMT_ETA2] * (r - beta * table[zi, EMT_S0])) / chi
             add_same_sign(sums, 0, j, density * w, 2)
             add_same_sign(sums, 1, j, pair * w, 3)
-            terms[taken, 1] = density * (dw - table[zi, EMT_ETA2] * w) / r
+            if mixed:
+                terms[taken, 2] = density * (dw - table[zi, EMT_ETA2] * w) / r
         taken += 1
     _flush_centre(sums, current, density_sum, density_error, pair_sum, pair_error)
     return terms, closest
@@ -438,7 +452,8 @@ def _emt_pair_forces(  # pragma: no cover - compiled
     """Pass 2: forces and virials of the pairs taken in pass 1, once ``dcohesive`` is known.
 
     ``dE_i/dd = c d`` gives ``+c d`` to ``i``, ``-c d`` to ``j`` and ``c d ⊗ d``
-    halved to each; a pair taken for both ends adds the reverse edge's ``c``.
+    halved to each; a pair taken for both ends adds the reverse edge's ``c`` (its
+    density term is column 2 of ``terms``, or column 0 for one element).
     Without ``per_node_virials`` the pairs' virials are summed in registers
     and put in node 0's columns: twelve memory updates a pair fewer (a quarter
     of this pass on 32,000 Cu atoms), the same column sums.
@@ -446,6 +461,7 @@ def _emt_pair_forces(  # pragma: no cover - compiled
     n_nodes = positions.shape[0]
     rows = np.zeros((n_nodes, 10))  # one node's sums together: one or two cache lines
     taken = 0
+    reverse = 2 if terms.shape[1] == 3 else 0  # the reverse edge's density term
     vxx = vyy = vzz = vyz = vxz = vxy = 0.0  # the virial, when not per node
     for e in range(centre.shape[0]):
         i, j = centre[e], neighbour[e]
@@ -455,9 +471,9 @@ def _emt_pair_forces(  # pragma: no cover - compiled
         dx, dy, dz = _edge(e, positions, centre, neighbour, image, offsets)
         if dx * dx + dy * dy + dz * dz >= cutoff2:
             continue
-        c = dcohesive[i] * terms[taken, 0] + terms[taken, 2]
+        c = dcohesive[i] * terms[taken, 0] + terms[taken, 1]
         if ends == 2:
-            c += dcohesive[j] * terms[taken, 1] + terms[taken, 2]
+            c += dcohesive[j] * terms[taken, reverse] + terms[taken, 1]
         taken += 1
         rows[i, 1] += c * dx
         rows[i, 2] += c * dy

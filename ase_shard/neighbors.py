@@ -19,6 +19,8 @@ import torch.nn.functional as F
 import vesin
 
 NEIGHBOR_LISTS = ("auto", "numba", "vesin", "torch")
+# the pairs' types (neighbor_pairs's dtype) as the compiled cell list writes them
+_NUMPY_INDEX = {torch.int32: np.int32, torch.int64: np.int64}
 
 
 def neighbor_pairs(
@@ -27,6 +29,7 @@ def neighbor_pairs(
     n_centres: int | None = None,
     neighbor_list: str = "auto",
     once_by: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.int64,
 ) -> torch.Tensor:
     """Full list of pairs closer than ``cutoff``, optionally centred on the first rows only.
 
@@ -51,11 +54,14 @@ def neighbor_pairs(
         direction is never held: half the memory of a rebuild for a model that
         takes each pair once). The compiled cell list never writes the others;
         the other searches drop them after.
+    dtype : torch.dtype
+        Of the pairs: ``torch.int32`` (for fewer than ``2**31`` rows) halves the
+        list, which the compiled cell list then writes as such.
 
     Returns
     -------
     torch.Tensor
-        ``(2, E)`` int64 on ``positions.device``: both ``(i, j)`` and ``(j, i)``
+        ``(2, E)`` of ``dtype`` on ``positions.device``: both ``(i, j)`` and ``(j, i)``
         for every pair with ``|r_j - r_i| < cutoff``, ``i != j``, less those
         whose centre ``i`` is not one of the centres (and, with ``once_by``, those
         it leaves out); in no particular order.
@@ -72,11 +78,11 @@ def neighbor_pairs(
     if not 0 <= n_centres <= n:
         raise ValueError(f"n_centres must lie in [0, {n}], not {n_centres}")
     if n < 2 or n_centres == 0:
-        return torch.zeros((2, 0), dtype=torch.int64, device=positions.device)
+        return torch.zeros((2, 0), dtype=dtype, device=positions.device)
     positions = positions.detach().to(torch.float64)
     if neighbor_list == "torch" or (neighbor_list == "auto" and positions.device.type != "cpu"):
         pairs = _cell_list_pairs(close_gaps(positions, cutoff), cutoff, n_centres)
-        return pairs if once_by is None else _once(pairs, once_by.to(pairs.device))
+        return (pairs if once_by is None else _once(pairs, once_by.to(pairs.device))).to(dtype)
     # numba loads its machinery (about 1 s) only in processes that search on the host
     from ase_shard.cell_list import cell_list_pairs, has_empty_slab
 
@@ -85,9 +91,11 @@ def neighbor_pairs(
         points = _narrow_gaps(torch.from_numpy(points), cutoff).numpy()
     if neighbor_list == "vesin":
         pairs = torch.from_numpy(_vesin_pairs(points, cutoff, n_centres))
-        return (pairs if once_by is None else _once(pairs, once_by.cpu())).to(positions.device)
+        pairs = pairs if once_by is None else _once(pairs, once_by.cpu())
+        return pairs.to(positions.device, dtype)
     nodes = None if once_by is None else once_by.cpu().numpy()
-    return torch.from_numpy(cell_list_pairs(points, cutoff, n_centres, nodes)).to(positions.device)
+    pairs = cell_list_pairs(points, cutoff, n_centres, nodes, _NUMPY_INDEX[dtype])
+    return torch.from_numpy(pairs).to(positions.device)
 
 
 def _once(pairs: torch.Tensor, once_by: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,8 @@ import torch
 from ase.build import bulk
 from sync_count import Autograd, rank_blocks
 
-from ase_shard.block import centre_takes_pair, edge_images, sum_edge_gradients
+from ase_shard import block as block_module
+from ase_shard.block import centre_takes_pair, edge_images, rows_to_nodes, sum_edge_gradients
 from ase_shard.models import EMT
 
 VOIGT = [(0, 0), (1, 1), (2, 2), (1, 2), (0, 2), (0, 1)]
@@ -84,7 +85,8 @@ def _pairs(block) -> Counter:
     centre, neighbour = block.centre.numpy(), block.neighbour.numpy()
     shift = block.node_shift.numpy()
     cells = shift[neighbour] - shift[centre]
-    cells[block.shifted_edges.numpy()] += block.edge_shift.numpy()
+    shifted, shift = block.image_edges()
+    cells[shifted.numpy()] += shift.numpy()
     a, b = block.ids[centre], block.ids[neighbour]
     cells = cells.astype(np.int64)
     # (b, a, -s) is (a, b, s) seen from b; a self-image pair (a, a, +-s) keeps its larger shift
@@ -140,3 +142,27 @@ def test_edge_images_match_numpys_unique_rows() -> None:
     assert not np.delete(image, shifted).any()
     image, table = edge_images(3, np.zeros(0, dtype=np.int64), np.zeros((0, 3)))
     assert not image.any() and table.shape == (1, 3)
+
+
+@pytest.mark.parametrize(("distinct", "kind"), [(127, np.int8), (128, np.int16)])
+def test_edge_images_take_the_smallest_type(distinct: int, kind: type) -> None:
+    """A byte an edge while the table, its zero row included, has at most 128 rows."""
+    shifts = np.zeros((distinct, 3))
+    shifts[:, 0] = np.arange(1, distinct + 1)
+    shifted = 2 * np.arange(distinct)
+    image, table = edge_images(2 * distinct, shifted, shifts)
+    assert image.dtype == kind
+    np.testing.assert_array_equal(table[image[shifted]], shifts)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_rows_to_nodes_gathers_in_place_by_chunks(dtype: torch.dtype, monkeypatch) -> None:
+    """Rows replaced by their nodes in the given storage, chunk bounds straddled."""
+    monkeypatch.setattr(block_module, "NODES_CHUNK", 7)
+    rng = np.random.default_rng(9)
+    node = torch.from_numpy(rng.integers(0, 40, 60))
+    rows = torch.from_numpy(rng.integers(0, 60, 100)).to(dtype)
+    expected = node[rows.long()]
+    nodes = rows_to_nodes(rows, node)
+    assert nodes.data_ptr() == rows.data_ptr() and nodes.dtype == dtype
+    np.testing.assert_array_equal(nodes.numpy(), expected.numpy())

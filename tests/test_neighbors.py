@@ -94,6 +94,21 @@ def test_once_by_lists_one_direction_of_each_pair(kind: str, cutoff: float) -> N
     assert len(want) > 0
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_int32_pairs_are_the_int64_ones(path: str) -> None:
+    """``dtype=torch.int32`` gives the same pairs in the same order, with and without
+    ``once_by``."""
+    points = _cloud("uniform", 400, seed=11)
+    node = np.concatenate([np.arange(300), np.random.default_rng(12).integers(0, 300, 100)])
+    for once_by in (None, torch.from_numpy(node)):
+        wide = neighbor_pairs(torch.from_numpy(points), 3.0, 300, path, once_by=once_by)
+        narrow = neighbor_pairs(
+            torch.from_numpy(points), 3.0, 300, path, once_by=once_by, dtype=torch.int32
+        )
+        assert narrow.dtype == torch.int32 and narrow.shape[1] > 0
+        np.testing.assert_array_equal(narrow.numpy(), wide.numpy())
+
+
 @pytest.mark.parametrize("kind", ["uniform", "clusters", "sheet"])
 @pytest.mark.parametrize("slab", [7, 60])
 def test_slabs_give_the_same_pairs(kind: str, slab: int, monkeypatch) -> None:
