@@ -35,7 +35,7 @@ from ase_shard.balance import Balance
 from ase_shard.block import LocalBlock, SumBlock
 from ase_shard.comm import CALCULATE, CLOSE, Comm, Failure, reraise
 from ase_shard.distributed import DistributedAtoms
-from ase_shard.exchange import Halo, PeerFailure, check_status
+from ase_shard.exchange import Halo, HaloExchange, PeerFailure, check_status
 from ase_shard.graph import (
     ShardModel,
     check_model,
@@ -44,6 +44,7 @@ from ase_shard.graph import (
     supports_layer_halo,
     uses_positions,
 )
+from ase_shard.halo import RankRows
 from ase_shard.inputs import ModelInputs, unpack
 from ase_shard.layouts import (
     DecompositionView,
@@ -214,6 +215,8 @@ class ShardedCalculator(Calculator):
         self._copies: list[Atoms] = []  # this call's Atoms: the caller's and ours
         self._inputs_digest: bytes | None = None  # of the inputs last calculated
         self._met = False  # check_state's vote was this call's rendezvous
+        # a plan of this run (ase_shard.plan.plan), whose estimate an OutOfMemory quotes
+        self.memory_plan: Any = None
 
     def _place(
         self, model: ShardModel, device: Any, dtype: Any, timeout: Any, arguments: dict
@@ -570,41 +573,23 @@ class ShardedCalculator(Calculator):
         return rows
 
     def _new_block(self, state, rows: np.ndarray, request: Request) -> LocalBlock | SumBlock:
-        """This rank's block: its local graph's edges at the new decomposition (a
-        :class:`~ase_shard.models.Sum`: one block per term, each at its own cutoff)."""
-        settings, plan = self.settings, self.halo.plan
-
-        def block(model: ShardModel, exchange, compiled: CompiledModel | None) -> LocalBlock:
-            return LocalBlock(
-                state.rows,
-                state.numbers,
-                rows[:, :3],
-                request.cell,
-                model,
-                skin=settings.skin,
-                device=self.device,
-                exchange=exchange,
-                timer=self.timer,
-                compiled=None if compiled is None else compiled.compiled,
-                min_distance=settings.min_distance,
-                neighbor_list=settings.neighbor_list,
-                pair_halo=plan if self.comm.size > 1 and self._on_host_everywhere else None,
-                system_sum=SystemSum(self.comm) if self.comm.size > 1 else None,
-                system_fft=SystemFFT(self.comm) if self.comm.size > 1 else None,
-            )
-
-        layer = settings.halo == "layer"
-        each = self._compiled or [None] * len(_terms(self.model))
-        if isinstance(self.model, Sum):
-            # a term exchanges through the plan if it can (a one-layer term, e.g. EMT,
-            # has nothing to exchange)
-            return SumBlock(
-                [
-                    block(term, plan if layer and supports_layer_halo(term) else None, compiled)
-                    for term, compiled in zip(self.model.terms, each, strict=True)
-                ]
-            )
-        return block(self.model, plan if layer else None, each[0])
+        """This rank's block: its local graph's edges at the new decomposition."""
+        several = self.comm.size > 1
+        return new_block(
+            self.model,
+            state.rows,
+            state.numbers,
+            rows[:, :3],
+            request.cell,
+            self.settings,
+            self.device,
+            self.halo.plan,
+            pair_halo=several and self._on_host_everywhere,
+            compiled=self._compiled,
+            timer=self.timer,
+            system_sum=SystemSum(self.comm) if several else None,
+            system_fft=SystemFFT(self.comm) if several else None,
+        )
 
     # -- 5. evaluation -----------------------------------------------------------------
 
@@ -661,7 +646,10 @@ class ShardedCalculator(Calculator):
         if state is not None:
             owned, ghosts = state.rows.n_owned, state.rows.n_nodes - state.rows.n_owned
         edges = None if self._block is None else self._listed_edges()
-        return out_of_memory(error, where, RankShare(owned, ghosts, edges))
+        planned = None
+        if self.memory_plan is not None and self.memory_plan.ranks == self.comm.size:
+            planned = self.memory_plan.peak_memory_per_rank[self.comm.rank]
+        return out_of_memory(error, where, RankShare(owned, ghosts, edges, planned))
 
     def _listed_edges(self) -> int:
         """The edges this rank's blocks list (of a ``Sum``, every term's)."""
@@ -700,6 +688,66 @@ ShardedCalculator.__init__.__doc__ = ShardedCalculator.__doc__
 def _terms(model: ShardModel) -> list[ShardModel]:
     """A :class:`~ase_shard.models.Sum`'s terms, or the model alone."""
     return list(model.terms) if isinstance(model, Sum) else [model]
+
+
+def new_block(
+    model: ShardModel,
+    rows: RankRows,
+    numbers: np.ndarray,
+    node_positions: np.ndarray,
+    cell: np.ndarray,
+    settings: Settings,
+    device: torch.device,
+    plan: HaloExchange,
+    *,
+    pair_halo: bool,
+    compiled: list[CompiledModel | None] | None = None,
+    timer: PhaseTimer | None = None,
+    system_sum: SystemSum | None = None,
+    system_fft: SystemFFT | None = None,
+) -> LocalBlock | SumBlock:
+    """A rank's block at a decomposition: its local graph's edges (of a
+    :class:`~ase_shard.models.Sum`, one block per term, each at its own cutoff).
+
+    ``plan`` is the rank's halo exchange: the per-layer halo's (``settings.halo
+    == "layer"``, for the terms that support it) and, with ``pair_halo`` (every
+    rank of several evaluates on the host), the one a ``newton_pair`` kernel
+    sums a pair between two ranks through. ``compiled`` holds each term's
+    compiled model (``None`` for one that runs eagerly). The calculator builds
+    its blocks here at every rebuild, :func:`ase_shard.plan.plan` every rank's.
+    """
+    layer = settings.halo == "layer"
+
+    def block(term: ShardModel, exchange, term_compiled: CompiledModel | None) -> LocalBlock:
+        return LocalBlock(
+            rows,
+            numbers,
+            node_positions,
+            cell,
+            term,
+            skin=settings.skin,
+            device=device,
+            exchange=exchange,
+            timer=timer,
+            compiled=None if term_compiled is None else term_compiled.compiled,
+            min_distance=settings.min_distance,
+            neighbor_list=settings.neighbor_list,
+            pair_halo=plan if pair_halo else None,
+            system_sum=system_sum,
+            system_fft=system_fft,
+        )
+
+    each = compiled or [None] * len(_terms(model))
+    if isinstance(model, Sum):
+        # a term exchanges through the plan if it can (a one-layer term, e.g. EMT,
+        # has nothing to exchange)
+        return SumBlock(
+            [
+                block(term, plan if layer and supports_layer_halo(term) else None, term_compiled)
+                for term, term_compiled in zip(model.terms, each, strict=True)
+            ]
+        )
+    return block(model, plan if layer else None, each[0])
 
 
 def compiled_terms(model: ShardModel, backend: str) -> list[CompiledModel | None]:

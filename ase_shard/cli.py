@@ -171,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_info(subparsers)
     add_check(subparsers)
     add_convert(subparsers)
+    add_plan(subparsers)
     return parser
 
 
@@ -329,6 +330,13 @@ def add_md(subparsers: argparse._SubParsersAction) -> None:
         "and log rows are gathered to rank 0 every --interval steps",
     )
     md.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
+    md.add_argument(
+        "--plan",
+        action="store_true",
+        help="print each rank's planned atoms, ghosts, edges, halo bytes and peak memory "
+        "before the run (as `ase-shard plan` does for this run's rank count, calibrating "
+        "on rank 0); an out-of-memory error then quotes the rank's estimate",
+    )
     md.add_argument(
         "--checkpoint",
         metavar="DIR",
@@ -645,6 +653,92 @@ def _bench_model(spec: ModelSpec, atoms: Atoms, args: argparse.Namespace):
             **layers,
         )
     return md.build_model(spec, args.modality, args.dtype, args.interaction_range, args.d3)
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+def add_plan(subparsers: argparse._SubParsersAction) -> None:
+    """Declare ``ase-shard plan``."""
+    plan = subparsers.add_parser(
+        "plan",
+        help="what a run needs per rank, before it runs: atoms, ghosts, edges, halo "
+        "bytes, peak memory",
+        description="In one process, before any rank allocates: the structure "
+        "partitioned as P ranks would at their first step, each rank's owned atoms, "
+        "ghosts, listed edges and halo bytes per step (exact), and its peak memory "
+        "estimated from a calibration on this machine and --device (two blocks cut from "
+        "the structure, built and evaluated: per node and per edge). Then, per rank "
+        "count, the largest system of this kind that fits --memory per rank, and the "
+        "projected parallel efficiency (docs/performance.md, 'Planning a run'). Systems "
+        "and --size as for `md`.",
+    )
+    plan.add_argument("structure", nargs="?", metavar="STRUCTURE", help="structure file")
+    plan.add_argument("--system", choices=SYSTEMS, help="built-in system (default cu-bulk)")
+    plan.add_argument("--size", type=POSITIVE_INT, help="size N of the built-in system")
+    plan.add_argument("--seed", type=NON_NEGATIVE_INT, default=42, help="random seed (42)")
+    _add_model_options(plan, bench=False)
+    plan.add_argument(
+        "--ranks",
+        type=POSITIVE_INT,
+        nargs="+",
+        default=[1, 2, 4],
+        help="rank counts to plan (1 2 4)",
+    )
+    plan.add_argument(
+        "--distributed",
+        action="store_true",
+        help="each rank holds its own atoms (ase_shard.distribute), not every atom",
+    )
+    plan.add_argument("--skin", type=NON_NEGATIVE, default=0.5, help="neighbour skin, Å (0.5)")
+    plan.add_argument(
+        "--halo", choices=HALOS, help="ghost scheme (default: layer where the model supports it)"
+    )
+    plan.add_argument("--device", help="torch device to calibrate on (default cpu)")
+    plan.add_argument("--dtype", choices=DTYPES, help="default: the model's")
+    plan.add_argument(
+        "--memory",
+        type=POSITIVE,
+        metavar="GiB",
+        help="memory per rank: the largest system of this kind that fits it, per rank count",
+    )
+    plan.add_argument(
+        "--calibration-atoms",
+        type=POSITIVE_INT,
+        help="atoms of the calibration blocks (8000 for EMT, LJ and Morse on a CPU, else 300)",
+    )
+    plan.add_argument("--json", metavar="FILE", help="write the plans as JSON")
+    plan.set_defaults(run=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """``ase-shard plan``: :func:`ase_shard.plan.plan` per rank count; rank 0 prints."""
+    check_system_args(args)
+    atoms, defaults, label = load_system(args)
+    spec = resolve_model(args.model or defaults.model)
+    from ase_shard import md
+    from ase_shard.plan import report
+
+    model = md.build_model(spec, args.modality, args.dtype, args.interaction_range, args.d3)
+    text, plans = report(
+        atoms,
+        model,
+        args.ranks,
+        device=args.device,
+        dtype=args.dtype,
+        distributed=args.distributed,
+        skin=args.skin,
+        halo=args.halo,
+        memory_per_rank=None if args.memory is None else args.memory * 2**30,
+        calibration_atoms=args.calibration_atoms,
+    )
+    parprint(f"ase-shard plan: {label}, {spec.label}\n{text}", flush=True)
+    if args.json and world.rank == 0:
+        import json
+
+        with open(args.json, "w") as out:
+            json.dump(plans, out, indent=1)
+    return 0
 
 
 # ----------------------------------------------------------------------------- info

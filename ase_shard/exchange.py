@@ -40,6 +40,7 @@ from __future__ import annotations
 import itertools
 import math
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -262,6 +263,13 @@ class HaloExchange:
         The host buffers of ``"host"`` (receive only), ``"pinned"`` and
         ``"pageable"``. A rebuild makes a new exchange and so new buffers;
         pinned ones then come from torch's cache of page-locked blocks.
+    received_bytes : int
+        Bytes this rank received through the plan so far: per forward exchange
+        a row of each ghost node, per reverse exchange one of each sent node.
+    crossings : list of Crossing or None
+        Where a list is given (:func:`ase_shard.plan.plan`'s calibration), each
+        exchange made appends its direction and bytes per row: a step's traffic
+        at any rank count is then these rows times the ghost and sent nodes.
     """
 
     def __init__(
@@ -290,6 +298,8 @@ class HaloExchange:
         self.send_counts = np.asarray(send_counts, dtype=np.int64)
         self.recv_counts = np.asarray(recv_counts, dtype=np.int64)
         self.n_ghosts = int(self.recv_counts.sum())
+        self.received_bytes = 0
+        self.crossings: list[Crossing] | None = None
         self.token: torch.Tensor | None = None
         self.pad(n_owned, self.n_ghosts)
 
@@ -336,6 +346,10 @@ class HaloExchange:
         (n_ghosts, ...) array: every ghost node's row, as its owner holds it, in
         ghost-node order.
         """
+        self._count(Crossing(True, _row_bytes(owned)))
+        return self._forward_rows(owned)
+
+    def _forward_rows(self, owned: np.ndarray) -> np.ndarray:
         sent = np.take(owned, self.send_rows.numpy(), axis=0)
         return self.comm.alltoallv_rows(sent, self.send_counts, self.recv_counts)
 
@@ -355,6 +369,7 @@ class HaloExchange:
         order.
         """
         owned = columns[:, : self.n_owned]
+        self._count(Crossing(False, _row_bytes(owned.T)))
         if self.comm.size == 1:
             return owned  # no other rank holds a copy
         ghosts = columns[:, self.n_owned : self.n_owned + self.n_ghosts].T
@@ -380,9 +395,11 @@ class HaloExchange:
             As in :meth:`reverse_columns`; its ghost columns are overwritten.
         """
         self.vote()
+        owned = columns[:, : self.n_owned].T
+        self._count(Crossing(True, _row_bytes(owned)))
         if self.comm.size == 1:
             return  # no ghosts
-        received = self.forward_rows(columns[:, : self.n_owned].T)
+        received = self._forward_rows(owned)
         columns[:, self.n_owned : self.n_owned + self.n_ghosts] = received.T
 
     def _move(self, rows: torch.Tensor, send_counts, recv_counts) -> torch.Tensor:
@@ -413,8 +430,17 @@ class HaloExchange:
             recv = self.staging.to_device(received, rows.device)
         return recv.view(rows.dtype).view(shape[0], *rows.shape[1:])
 
+    def _count(self, crossing: Crossing) -> None:
+        """Add an exchange's received rows to :attr:`received_bytes` (and :attr:`crossings`)."""
+        self.received_bytes += crossing.row_bytes * (
+            self.n_ghosts if crossing.forward else len(self.send_rows)
+        )
+        if self.crossings is not None:
+            self.crossings.append(crossing)
+
     def copy_to_ghosts(self, owned: torch.Tensor) -> torch.Tensor:
         self.vote()
+        self._count(Crossing(True, _row_bytes(owned)))
         ghosts = self._move(
             owned.index_select(0, self.send_index), self.send_counts, self.recv_counts
         )
@@ -423,9 +449,26 @@ class HaloExchange:
 
     def sum_into_owners(self, grad: torch.Tensor) -> torch.Tensor:
         self.vote()
+        self._count(Crossing(False, _row_bytes(grad)))
         ghosts = grad[self.owned_rows : self.owned_rows + self.n_ghosts]
         back = self._move(ghosts, self.recv_counts, self.send_counts)
         return grad[: self.owned_rows].index_add(0, self.send_index, back)
+
+
+@dataclass(frozen=True)
+class Crossing:
+    """One exchange of a step: ``forward`` (owners' rows to their ghosts: a row
+    received per ghost node) or reverse (ghosts' rows to their owners: a row
+    received per sent node), of ``row_bytes`` bytes a row."""
+
+    forward: bool
+    row_bytes: int
+
+
+def _row_bytes(rows: np.ndarray | torch.Tensor) -> int:
+    """Bytes of one row of an ``(n, ...)`` array or tensor."""
+    itemsize = rows.itemsize if isinstance(rows, np.ndarray) else rows.element_size()
+    return itemsize * math.prod(rows.shape[1:])
 
 
 def _byte_rows(rows: torch.Tensor) -> torch.Tensor:

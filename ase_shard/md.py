@@ -72,6 +72,7 @@ from ase_shard.dynamics import IsotropicMTKNPT, NoseHooverChainNVT
 from ase_shard.io import ShardedTrajectory, cut_back_shards, is_sharded, read_frames
 from ase_shard.memory import peak_memory
 from ase_shard.models import EMT, LennardJones, Morse
+from ase_shard.plan import Plan, plan
 from ase_shard.presets import (
     ENSEMBLES,
     FILE_DEFAULTS,
@@ -319,9 +320,11 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
     draw = draw and (args.temperature is not None or not atoms.get_momenta().any())
     if draw:
         thermalise(atoms, target, rng)
+    calc = make_calculator(build_model(spec, modality, args.dtype, reach, d3, coulomb), args)
+    if args.plan:
+        calc.memory_plan = planned(atoms, calc, args)
     if args.distributed and saved is None:
         atoms = distribute(atoms)  # every rank holds the same atoms: each keeps its share
-    calc = make_calculator(build_model(spec, modality, args.dtype, reach, d3, coulomb), args)
     atoms.calc = calc
     dyn = make_dynamics(atoms, args, physics, rng)
     if draw:
@@ -527,6 +530,26 @@ def make_calculator(model: torch.nn.Module, args: argparse.Namespace) -> Sharded
         dtype=args.dtype,
         compile=args.compile,
     )
+
+
+def planned(atoms: Atoms, calc: ShardedCalculator, args: argparse.Namespace) -> Plan:
+    """``--plan``: the plan of this run (rank 0 plans for every rank), printed by rank 0."""
+    if isinstance(atoms, DistributedAtoms):
+        raise CLIError("--plan needs the whole structure: not with --resume of a distributed run")
+    memory_plan = Comm().decide(
+        lambda: plan(
+            atoms,
+            calc.model,
+            world.size,
+            device=calc.device,
+            dtype=calc.dtype,
+            distributed=args.distributed,
+            skin=args.skin,
+            halo=args.halo,
+        )
+    )
+    parprint(f"ase-shard md: plan\n{memory_plan.table()}", flush=True)
+    return memory_plan
 
 
 def read_restart(path: str) -> tuple[Atoms, Start, Physics | None]:

@@ -25,11 +25,14 @@ class OutOfMemory(MemoryError):
 
 @dataclass(frozen=True)
 class RankShare:
-    """What one rank held when it ran out of memory (``None``: not decided or listed yet)."""
+    """What one rank held when it ran out of memory (``None``: not decided or listed yet),
+    and the peak memory a plan estimated for it (bytes; ``None``: no plan given,
+    ``calc.memory_plan``)."""
 
     owned: int | None
     ghosts: int | None
     edges: int | None
+    planned: int | None = None
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -55,12 +58,14 @@ def out_of_memory(error: BaseException, where: str, share: RankShare | None = No
         )
         if share.edges is not None:
             held += f", {share.edges} edges"
+        if share.planned is not None:
+            held += f", {share.planned / 2**20:.0f} MiB planned"
     text = str(error).strip()
     first_line = text.splitlines()[0] if text else type(error).__name__
     return OutOfMemory(
         f"out of memory {where}{held} (peak resident memory {peak_memory() / 2**20:.0f} "
         f"MiB): {first_line}. Run on more ranks, with a smaller skin, or in float32 "
-        "(ShardedCalculator(dtype=torch.float32))"
+        "(ShardedCalculator(dtype=torch.float32)); `ase-shard plan` says what fits"
     )
 
 

@@ -9,6 +9,7 @@ in-process tests run (:func:`launches`).
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import subprocess
@@ -318,3 +319,28 @@ def test_distributed_berendsen_exits_2(capsys) -> None:
     assert "--distributed runs nve, langevin, nvt-bussi, nvt-nose-hoover, npt-mtk, not" in (
         capsys.readouterr().err
     )
+
+
+def test_plan_prints_and_writes_every_rank_count(tmp_path: Path, capsys) -> None:
+    """``ase-shard plan``: a table per rank count whose owned atoms add up to the
+    system, the largest system within --memory and the projection, in text and JSON."""
+    report = tmp_path / "plan.json"
+    argv = ["plan", "--size", "4", "--ranks", "1", "3", "--memory", "1", "--json", str(report)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ase-shard plan: cu-bulk N=4, emt\n256 atoms on 1 rank(s)")
+    assert "256 atoms on 3 rank(s)" in out and "projected parallel efficiency" in out
+    plans = json.loads(report.read_text())
+    assert [len(p["per_rank"]) for p in plans] == [1, 3]
+    for p in plans:
+        assert sum(rank["owned"] for rank in p["per_rank"]) == 256
+        assert f"within 1 GiB per rank: {p['largest_system']} atoms" in out
+        assert 256 < p["largest_system"] < 2**30 / 200  # more than this, less than 200 B each
+
+
+def test_md_plan_prints_the_runs_plan(capsys) -> None:
+    """``ase-shard md --plan``: the plan of this run's ranks before the run, and the
+    calculator keeps it for an out-of-memory message."""
+    assert main(["md", "--size", "3", "--steps", "2", "--plan", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"ase-shard md: plan\n108 atoms on 1 rank\(s\).*\n  rank .*\n  0 +108 ", out)

@@ -333,3 +333,11 @@ def test_cuda_matches_cpu(tmp_path) -> None:
     reference = mace_reference(path, atoms)
     atoms.calc = ShardedCalculator(MACE(path), device="cuda")
     assert_matches(results(atoms), reference, rtol=1e-9)
+
+
+def test_planned_peak_memory_per_rank(tmp_path) -> None:
+    """The plan of a random-weight MACE (2 layers, 32 channels, 5 Å) on 256 Cu atoms
+    and 2 ranks, atoms distributed, against the run (tests/test_plan_launch.py)."""
+    from test_plan_launch import assert_planned_memory
+
+    assert_planned_memory("mace", 256, 2, "distributed", tmp_path)

@@ -26,7 +26,7 @@ from ase.build import bulk
 from ase.calculators.emt import EMT as AseEMT
 from ase.calculators.lj import LennardJones as AseLennardJones
 from oracles import evaluate_periodic_graph, relative_errors
-from sharded import COMM, assert_matches, cu_bulk, results
+from sharded import COMM, assert_matches, cu_bulk, on_root, results
 from soak import run_nve_soak
 from systems import AR, CASES
 from toy_models import ToyMessagePassing
@@ -35,6 +35,7 @@ from ase_shard import CollectiveError, OutOfMemory, ShardedCalculator
 from ase_shard.exchange import ExchangeMismatch
 from ase_shard.models import EMT, LennardJones
 from ase_shard.partition import PARTITIONS
+from ase_shard.plan import plan
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -108,13 +109,15 @@ class Faulty(torch.nn.Module):
         return energies + bump
 
 
-def _fail_then_recover(model: Faulty, error: type, pattern: str) -> str:
-    """A good call, a failing one (same rebuilds-free geometry), then exact again.
+def _fail_then_recover(model: Faulty, error: type, pattern: str, memory_plan=None) -> str:
+    """A good call, a failing one (same rebuilds-free geometry), then exact again
+    (``memory_plan``: the calculator's ``memory_plan``).
 
     Returns the message of the error, after checking it is the same on all ranks.
     """
     atoms = cu_bulk()
     calc = ShardedCalculator(model)
+    calc.memory_plan = memory_plan
     atoms.calc = calc
     assert_matches(atoms, AseEMT())
     atoms.positions[0, 0] += 0.01  # within the skin: the failing call reuses the layout
@@ -167,16 +170,20 @@ def memory_limit(ranks: set[int], headroom: int = HEADROOM_BYTES) -> Iterator[No
 @pytest.mark.skipif(sys.platform != "linux", reason="needs Linux's RLIMIT_AS and /proc")
 def test_out_of_memory_on_one_rank() -> None:
     """Every rank asks for 4 GB; the last rank, limited to 1 GB more than it maps,
-    cannot: every rank raises one OutOfMemory that names that rank, what it held and
-    what to change, and the next call is exact again."""
-    pattern = (
-        r"out of memory in its evaluation, holding \d+ owned atoms and \d+ ghosts, "
-        r"\d+ edges \(peak resident memory \d+ MiB\): .*can't allocate memory.*\. Run on "
-        rf"more ranks, with a smaller skin, or in float32 .*\[rank {LAST}\]$"
-    )
+    cannot: every rank raises one OutOfMemory that names that rank, what it held, the
+    plan's estimate for it and what to change, and the next call is exact again."""
     model = Faulty("allocate", set(range(COMM.size)))
+    # one plan, rank 0's (each rank's own calibration measures its own memory)
+    memory_plan = on_root(lambda: plan(cu_bulk(), model, COMM.size, calibration_atoms=24))
+    share = memory_plan.per_rank[LAST]
+    pattern = (
+        rf"out of memory in its evaluation, holding {share.owned} owned atoms and "
+        rf"{share.ghosts} ghosts, {share.edges} edges, {share.memory / 2**20:.0f} MiB planned "
+        r"\(peak resident memory \d+ MiB\): .*can't allocate memory.*\. Run on "
+        rf"more ranks, with a smaller skin, or in float32 .*ase-shard plan.*\[rank {LAST}\]$"
+    )
     with memory_limit({LAST}):
-        message = _fail_then_recover(model, OutOfMemory, pattern)
+        message = _fail_then_recover(model, OutOfMemory, pattern, memory_plan)
     assert issubclass(OutOfMemory, MemoryError) and str(SCRATCH_BYTES) in message
 
 
