@@ -215,7 +215,8 @@ class ShardedCalculator(Calculator):
         self._copies: list[Atoms] = []  # this call's Atoms: the caller's and ours
         self._inputs_digest: bytes | None = None  # of the inputs last calculated
         self._met = False  # check_state's vote was this call's rendezvous
-        # a plan of this run (ase_shard.plan.plan), whose estimate an OutOfMemory quotes
+        # a plan of this run (an ase_shard.plan.Plan, which imports this module), whose
+        # estimate for this rank an OutOfMemory quotes
         self.memory_plan: Any = None
 
     def _place(
@@ -653,11 +654,11 @@ class ShardedCalculator(Calculator):
 
     def _listed_edges(self) -> int:
         """The edges this rank's blocks list (of a ``Sum``, every term's)."""
-        return sum(int(block.centre.shape[0]) for block in self._term_blocks())
+        return listed_edges(self._block)
 
     def _term_blocks(self) -> list[LocalBlock]:
         """The block of each term (of a ``Sum``: one per term), in the terms' order."""
-        return self._block.blocks if isinstance(self._block, SumBlock) else [self._block]
+        return term_blocks(self._block)
 
     def _layout(self, kind: type[Layout], **options: Any) -> Layout:
         """A new layout of ``kind`` over this calculator's communication and settings."""
@@ -748,6 +749,16 @@ def new_block(
             ]
         )
     return block(model, plan if layer else None, each[0])
+
+
+def term_blocks(block: LocalBlock | SumBlock) -> list[LocalBlock]:
+    """The block of each term (of a ``Sum``: one per term), in the terms' order."""
+    return block.blocks if isinstance(block, SumBlock) else [block]
+
+
+def listed_edges(block: LocalBlock | SumBlock) -> int:
+    """The edges a rank's block lists (of a ``Sum``, every term's)."""
+    return sum(int(term.centre.shape[0]) for term in term_blocks(block))
 
 
 def compiled_terms(model: ShardModel, backend: str) -> list[CompiledModel | None]:

@@ -717,20 +717,24 @@ def run_plan(args: argparse.Namespace) -> int:
     atoms, defaults, label = load_system(args)
     spec = resolve_model(args.model or defaults.model)
     from ase_shard import md
+    from ase_shard.comm import Comm
     from ase_shard.plan import report
 
     model = md.build_model(spec, args.modality, args.dtype, args.interaction_range, args.d3)
-    text, plans = report(
-        atoms,
-        model,
-        args.ranks,
-        device=args.device,
-        dtype=args.dtype,
-        distributed=args.distributed,
-        skin=args.skin,
-        halo=args.halo,
-        memory_per_rank=None if args.memory is None else args.memory * 2**30,
-        calibration_atoms=args.calibration_atoms,
+    # under mpirun rank 0 plans (its calibration measures one process, undisturbed)
+    text, plans = Comm().decide(
+        lambda: report(
+            atoms,
+            model,
+            args.ranks,
+            device=args.device,
+            dtype=args.dtype,
+            distributed=args.distributed,
+            skin=args.skin,
+            halo=args.halo,
+            memory_per_rank=None if args.memory is None else args.memory * 2**30,
+            calibration_atoms=args.calibration_atoms,
+        )
     )
     parprint(f"ase-shard plan: {label}, {spec.label}\n{text}", flush=True)
     if args.json and world.rank == 0:

@@ -346,7 +346,7 @@ class HaloExchange:
         (n_ghosts, ...) array: every ghost node's row, as its owner holds it, in
         ghost-node order.
         """
-        self._count(Crossing(True, _row_bytes(owned)))
+        self._count(True, owned)
         return self._forward_rows(owned)
 
     def _forward_rows(self, owned: np.ndarray) -> np.ndarray:
@@ -369,7 +369,7 @@ class HaloExchange:
         order.
         """
         owned = columns[:, : self.n_owned]
-        self._count(Crossing(False, _row_bytes(owned.T)))
+        self._count(False, owned.T)
         if self.comm.size == 1:
             return owned  # no other rank holds a copy
         ghosts = columns[:, self.n_owned : self.n_owned + self.n_ghosts].T
@@ -396,7 +396,7 @@ class HaloExchange:
         """
         self.vote()
         owned = columns[:, : self.n_owned].T
-        self._count(Crossing(True, _row_bytes(owned)))
+        self._count(True, owned)
         if self.comm.size == 1:
             return  # no ghosts
         received = self._forward_rows(owned)
@@ -430,17 +430,17 @@ class HaloExchange:
             recv = self.staging.to_device(received, rows.device)
         return recv.view(rows.dtype).view(shape[0], *rows.shape[1:])
 
-    def _count(self, crossing: Crossing) -> None:
-        """Add an exchange's received rows to :attr:`received_bytes` (and :attr:`crossings`)."""
-        self.received_bytes += crossing.row_bytes * (
-            self.n_ghosts if crossing.forward else len(self.send_rows)
-        )
+    def _count(self, forward: bool, rows: np.ndarray | torch.Tensor) -> None:
+        """Add an exchange's received rows (``forward``, or reverse, of ``rows``' shape)
+        to :attr:`received_bytes`, and to :attr:`crossings` where they are recorded."""
+        row_bytes = _row_bytes(rows)
+        self.received_bytes += row_bytes * (self.n_ghosts if forward else len(self.send_rows))
         if self.crossings is not None:
-            self.crossings.append(crossing)
+            self.crossings.append(Crossing(forward, row_bytes))
 
     def copy_to_ghosts(self, owned: torch.Tensor) -> torch.Tensor:
         self.vote()
-        self._count(Crossing(True, _row_bytes(owned)))
+        self._count(True, owned)
         ghosts = self._move(
             owned.index_select(0, self.send_index), self.send_counts, self.recv_counts
         )
@@ -449,7 +449,7 @@ class HaloExchange:
 
     def sum_into_owners(self, grad: torch.Tensor) -> torch.Tensor:
         self.vote()
-        self._count(Crossing(False, _row_bytes(grad)))
+        self._count(False, grad)
         ghosts = grad[self.owned_rows : self.owned_rows + self.n_ghosts]
         back = self._move(ghosts, self.recv_counts, self.send_counts)
         return grad[: self.owned_rows].index_add(0, self.send_index, back)

@@ -536,6 +536,8 @@ def planned(atoms: Atoms, calc: ShardedCalculator, args: argparse.Namespace) -> 
     """``--plan``: the plan of this run (rank 0 plans for every rank), printed by rank 0."""
     if isinstance(atoms, DistributedAtoms):
         raise CLIError("--plan needs the whole structure: not with --resume of a distributed run")
+    if args.partition != "spatial":
+        raise CLIError("--plan plans the spatial partition: not with --partition contiguous")
     memory_plan = Comm().decide(
         lambda: plan(
             atoms,

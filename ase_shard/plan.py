@@ -15,11 +15,14 @@ calibration on this machine and the target device:
   calibration records which exchanges the model's step makes and their bytes
   per row (:attr:`ase_shard.exchange.HaloExchange.crossings`); a rank receives
   a row per ghost node forward and per sent node in reverse;
-- **memory, estimated**: ``fixed + held + node_bytes * nodes + edge_bytes *
-  edges`` per rank. ``fixed`` is this process's resident memory once the model
-  is placed and its kernels are loaded (imports, weights, compiled code);
-  ``held`` the arrays the calculator, its layout and ASE's driver keep per
-  atom a rank holds (every atom when replicated, its own when distributed);
+- **memory, estimated**: per rank ``fixed + node_bytes * nodes + edge_bytes *
+  edges``, and on a CPU ``+ held * atoms held + ROW_BYTES * rows + (row_bytes +
+  NODE_RESULT_BYTES) * nodes``. ``fixed`` is this process's resident memory once
+  the model is placed and its kernels are loaded (imports, weights, compiled
+  code; on CUDA the device memory torch holds then); ``held`` the arrays the
+  calculator, its layout and ASE's driver keep per atom a rank holds (every
+  atom when replicated, its own when distributed), and the rows' and nodes'
+  arrays outside the block, all on the host;
   ``node_bytes`` and ``edge_bytes`` the peak memory of building and
   evaluating two blocks cut from the structure (:func:`calibrate`), measured on
   the target device: the high-water mark of resident memory on a
@@ -33,19 +36,19 @@ term's mesh (it grows with the cell, not the atoms), torch.compile's caches.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 from ase import Atoms
 
-from ase_shard.calculator import new_block
+from ase_shard.bench.machine import PeakMemory, rss_mb
+from ase_shard.block import LocalBlock, SumBlock
+from ase_shard.calculator import listed_edges, new_block
 from ase_shard.comm import Comm
 from ase_shard.exchange import Crossing, HaloExchange
 from ase_shard.graph import check_model, direct_forces
@@ -87,7 +90,8 @@ class Calibration:
     device : str
     fixed_bytes : int
         This process's resident memory with the model placed and its kernels
-        loaded (host), or the model's parameters on the device (CUDA).
+        loaded (CPU), or torch's allocations on the device then (CUDA): on CUDA
+        every memory figure of a plan is the device's.
     node_bytes, edge_bytes : float
         Peak memory a block adds per node and per listed edge (build and evaluate).
     node_seconds, edge_seconds : float
@@ -131,7 +135,7 @@ class RankPlan:
         Bytes received per step with the results (other ranks' atoms' energies
         and forces where every rank holds every atom; everyone's partial sums).
     memory : int
-        Estimated peak memory in bytes.
+        Estimated peak memory in bytes (on CUDA, the device's).
     seconds : float
         Estimated evaluation time per step (no communication).
     """
@@ -212,7 +216,8 @@ class Plan:
         step costs besides the model's evaluation (checks, partition, Python),
         which one rank pays too. Defaults: shared memory on one node.
         """
-        exchanges = len(self.calibration.crossings) + 1  # and the results' reverse
+        # the model's, the results' reverse and, distributed, the node rows forward
+        exchanges = len(self.calibration.crossings) + 1 + self.distributed
         steps = []
         for rank in self.per_rank:
             messages = exchanges * rank.peers + (self.ranks - 1)
@@ -277,8 +282,9 @@ def plan(
     -------
     Plan
     """
-    if int(ranks) < 1:
+    if int(ranks) != ranks or ranks < 1:
         raise ValueError(f"ranks must be a positive integer, not {ranks!r}")
+    ranks = int(ranks)
     check_model(model)
     settings = Settings.checked(
         model,
@@ -293,10 +299,11 @@ def plan(
         neighbor_list=neighbor_list,
     )
     device = torch.device(device or "cpu")
-    model = placed(model, device, checked_dtype(dtype, model))
+    dtype = checked_dtype(dtype, model)
+    model = placed(model, device, dtype)
     if calibration is None:
         calibration = calibrate(
-            atoms, model, settings, device, several=ranks > 1, size=calibration_atoms
+            atoms, model, settings, device, dtype, several=ranks > 1, size=calibration_atoms
         )
     coords = frame_coordinates(atoms.positions, atoms.cell.array, atoms.pbc)
     grid = choose_grid(coords, atoms.pbc, ranks, settings.halo_width)
@@ -314,11 +321,15 @@ def plan(
         holds = rows.n_owned if distributed else len(atoms)
         memory = (
             calibration.fixed_bytes
-            + held * holds
-            + ROW_BYTES * len(rows.ids)
-            + (calibration.node_bytes + calibration.row_bytes + NODE_RESULT_BYTES) * rows.n_nodes
+            + calibration.node_bytes * rows.n_nodes
             + calibration.edge_bytes * edges
         )
+        if device.type == "cpu":  # on a GPU, its memory: the arrays below are the host's
+            memory += (
+                held * holds
+                + ROW_BYTES * len(rows.ids)
+                + (calibration.row_bytes + NODE_RESULT_BYTES) * rows.n_nodes
+            )
         seconds = calibration.node_seconds * rows.n_nodes + calibration.edge_seconds * edges
         per_rank.append(
             RankPlan(
@@ -334,7 +345,7 @@ def plan(
                 seconds=seconds,
             )
         )
-    return Plan(len(atoms), int(ranks), distributed, grid, tuple(per_rank), calibration, held)
+    return Plan(len(atoms), ranks, distributed, grid, tuple(per_rank), calibration, held)
 
 
 def calibrate(
@@ -342,10 +353,11 @@ def calibrate(
     model: torch.nn.Module,
     settings: Settings,
     device: torch.device,
+    dtype: torch.dtype,
     several: bool,
     size: int | None = None,
 ) -> Calibration:
-    """Price a node and an edge of ``model`` (placed on ``device``) on two blocks cut
+    """Price a node and an edge of ``model`` (placed on ``device`` in ``dtype``) on two blocks cut
     from ``atoms``, built as a rank of ``several`` does (a pair between two ranks
     taken once, on the host): the ``size`` atoms nearest the middle (default
     :data:`CALIBRATION_ATOMS`) as a cluster (every node centres its edges), and the
@@ -360,18 +372,26 @@ def calibrate(
     the sizes are).
     """
     if size is None:
-        on_host = device.type == "cpu" and direct_forces(model) is not None
+        # the blocks' own test for their compiled kernels (LocalBlock)
+        on_host = device.type == "cpu" and dtype == torch.float64
+        on_host = on_host and direct_forces(model) is not None
         size = CALIBRATION_ATOMS["host" if on_host else "autograd"]
     size = min(size, len(atoms))
     one = _one_process()
-    _measure_block(atoms, 4, True, model, settings, device, one, several)  # loads kernels
-    _release_free_memory()
-    fixed = torch.cuda.memory_allocated(device) if device.type == "cuda" else _resident()
+    measure = partial(
+        _measure_block, model=model, settings=settings, device=device, dtype=dtype, one=one,
+        several=several,
+    )
+    measure(atoms, 4, True)  # loads the kernels
+    meter = PeakMemory(device)
+    meter.start()  # the allocator's free memory given back: what is in use
+    if device.type == "cuda":
+        fixed = torch.cuda.memory_allocated(device)
+    else:
+        fixed = round((rss_mb() or 0.0) * 2**20)
     blocks, crossings = [], []
     for cluster in (True, False):
-        nodes, edges, peak, seconds, crossings = _measure_block(
-            atoms, size, cluster, model, settings, device, one, several
-        )
+        nodes, edges, peak, seconds, crossings = measure(atoms, size, cluster)
         blocks.append((nodes, edges, peak, seconds))
     node_bytes, edge_bytes = _per_node_and_edge([b[:3] for b in blocks])
     node_seconds, edge_seconds = _per_node_and_edge([(*b[:2], b[3]) for b in blocks])
@@ -428,9 +448,11 @@ def _measure_block(
     atoms: Atoms,
     size: int,
     cluster: bool,
+    *,
     model: torch.nn.Module,
     settings: Settings,
     device: torch.device,
+    dtype: torch.dtype,
     one: Comm,
     several: bool,
 ) -> tuple[int, int, int, float, list[Crossing]]:
@@ -458,21 +480,22 @@ def _measure_block(
         shapes = {name: list(a.shape[1:]) for name, a in arrays.items()}
         node_inputs = unpack(pack(arrays, ids), shapes) if arrays else None
         system = inputs.system_values(atoms, settings.parameters(model))
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float64)
-    meter = _PeakMeter(device)
-    with meter:
-        block, plan = _block(atoms, model, settings, device, rows, one, several)
-        # a rebuild's step and one that reuses the block (TorchScript optimises its
-        # graphs in their second run)
-        for _ in range(2):
-            block.evaluate(positions, atoms.cell.array, dtype, node_inputs, system, False)
-    plan.crossings = []
+    meter = PeakMemory(device)
+    meter.start()
+    block, exchange = _block(atoms, model, settings, device, rows, one, several)
+    # a rebuild's step and one that reuses the block (TorchScript optimises its graphs
+    # in their second run)
+    for _ in range(2):
+        block.evaluate(positions, atoms.cell.array, dtype, node_inputs, system, False)
+    peak = meter.stop()
+    exchange.crossings = []
     start = time.perf_counter()
     block.evaluate(positions, atoms.cell.array, dtype, node_inputs, system, False)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
-    return rows.n_nodes, _edges_of(block), meter.peak, seconds, plan.crossings
+    added = peak["cuda_peak_delta_mb"] if device.type == "cuda" else peak["peak_rss_delta_mb"]
+    return rows.n_nodes, listed_edges(block), round(added * 2**20), seconds, exchange.crossings
 
 
 def _listed_edges(
@@ -486,13 +509,21 @@ def _listed_edges(
 ) -> int:
     """The edges a rank with ``rows`` lists (its block built, counted, dropped)."""
     block, _ = _block(atoms, model, settings, device, rows, one, several)
-    return _edges_of(block)
+    return listed_edges(block)
 
 
-def _block(atoms, model, settings, device, rows: RankRows, one: Comm, several: bool):
+def _block(
+    atoms: Atoms,
+    model: torch.nn.Module,
+    settings: Settings,
+    device: torch.device,
+    rows: RankRows,
+    one: Comm,
+    several: bool,
+) -> tuple[LocalBlock | SumBlock, HaloExchange]:
     """A rank's block of ``rows`` in this process, and the exchange plan it was given
     (over a one-rank communicator: it records, never sends)."""
-    plan = HaloExchange(
+    exchange = HaloExchange(
         one, rows.n_owned, rows.send_index, rows.send_counts, rows.recv_counts, device
     )
     ids = rows.ids[: rows.n_nodes]
@@ -504,15 +535,10 @@ def _block(atoms, model, settings, device, rows: RankRows, one: Comm, several: b
         atoms.cell.array,
         settings,
         device,
-        plan,
+        exchange,
         pair_halo=several and device.type == "cpu",
     )
-    return block, plan
-
-
-def _edges_of(block) -> int:
-    terms = getattr(block, "blocks", [block])
-    return sum(int(term.centre.shape[0]) for term in terms)
+    return block, exchange
 
 
 def _held_bytes(atoms: Atoms) -> float:
@@ -547,58 +573,6 @@ def _one_process() -> Comm:
     """A one-rank communicator, also under mpirun (the plan talks to no other rank)."""
     mpi = sys.modules.get("mpi4py.MPI")
     return Comm(mpi.COMM_SELF if mpi is not None else None)
-
-
-class _PeakMeter:
-    """Peak memory added inside a ``with`` block: resident memory's high-water mark on
-    the host (Linux's ``/proc/self/clear_refs`` resets it), torch's peak on CUDA."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.peak = 0
-
-    def __enter__(self) -> _PeakMeter:
-        _release_free_memory()
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._before = torch.cuda.memory_allocated(self.device)
-        else:
-            Path("/proc/self/clear_refs").write_text("5")
-            self._before = _resident()
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        if self.device.type == "cuda":
-            self.peak = torch.cuda.max_memory_allocated(self.device) - self._before
-        else:
-            self.peak = max(_status_bytes("VmHWM") - self._before, 0)
-
-
-def _resident() -> int:
-    return _status_bytes("VmRSS")
-
-
-def _status_bytes(field: str) -> int:
-    """A ``/proc/self/status`` field (``VmRSS``, ``VmHWM``) in bytes (Linux)."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def _release_free_memory() -> None:
-    """Give memory the allocator holds free back to the system (glibc's
-    ``malloc_trim``), so that resident memory counts what is in use."""
-    name = ctypes.util.find_library("c")
-    if name is not None:
-        libc = ctypes.CDLL(name)
-        if hasattr(libc, "malloc_trim"):
-            libc.malloc_trim(0)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-
-
 
 
 def report(

@@ -80,10 +80,11 @@ def child_plan(model_name: str, size: int, ranks: int, distributed: bool) -> dic
 
 def child_run(model_name: str, size: int, distributed: bool) -> list | None:
     import numpy as np
+    import torch
 
     from ase_shard import ShardedCalculator, distribute
+    from ase_shard.bench.machine import PeakMemory
     from ase_shard.comm import Comm
-    from ase_shard.plan import _release_free_memory
 
     comm = Comm()
     atoms = structure(model_name, size)
@@ -94,9 +95,8 @@ def child_run(model_name: str, size: int, distributed: bool) -> list | None:
     unit.calc = ShardedCalculator(model, comm=_self())
     unit.get_forces()
     del unit
-    _release_free_memory()
-    Path("/proc/self/clear_refs").write_text("5")
-    baseline = _status("VmRSS")
+    meter = PeakMemory(torch.device("cpu"))
+    meter.start()  # the allocator's free memory given back, the high-water mark reset
     if distributed:
         atoms = distribute(atoms)
     calc = ShardedCalculator(model)
@@ -114,10 +114,10 @@ def child_run(model_name: str, size: int, distributed: bool) -> list | None:
         move = 0.3 if step == 5 else 0.01  # past the skin once: a rebuild
         atoms.positions = atoms.positions + rng.uniform(-move, move, atoms.positions.shape)
         atoms.get_forces()
-    peak = _status("VmHWM")
+    memory = meter.stop()
     mine = {
-        "peak": peak,
-        "baseline": baseline,
+        "peak": round(memory["peak_rss_mb"] * 2**20),
+        "baseline": round(memory["start_rss_mb"] * 2**20),
         "owned": balance.owned[comm.rank],
         "ghosts": balance.ghosts[comm.rank],
         "edges": balance.edges[comm.rank],
@@ -133,11 +133,6 @@ def _self():
     from mpi4py import MPI
 
     return MPI.COMM_SELF
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith(field))
 
 
 def run_case(model_name: str, size: int, ranks: int, mode: str) -> dict:
@@ -171,7 +166,8 @@ def run_case(model_name: str, size: int, ranks: int, mode: str) -> dict:
                 / (run_rank["peak"] - run_rank["baseline"]),
                 "geometry_exact": all(
                     plan_rank[key] == run_rank[key] for key in ("owned", "ghosts", "edges")
-                ),
+                )
+                and run_rank["reused"],
                 "halo_bytes_exact": plan_rank["halo_bytes"] == run_rank["halo_bytes"],
                 "received_bytes_exact": plan_rank["halo_bytes"] + plan_rank["result_bytes"]
                 == run_rank["received_bytes"],

@@ -325,7 +325,7 @@ def test_plan_prints_and_writes_every_rank_count(tmp_path: Path, capsys) -> None
     """``ase-shard plan``: a table per rank count whose owned atoms add up to the
     system, the largest system within --memory and the projection, in text and JSON."""
     report = tmp_path / "plan.json"
-    argv = ["plan", "--size", "4", "--ranks", "1", "3", "--memory", "1", "--json", str(report)]
+    argv = ["plan", "--size", "4", "--ranks", "1", "3", "--memory", "64", "--json", str(report)]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.startswith("ase-shard plan: cu-bulk N=4, emt\n256 atoms on 1 rank(s)")
@@ -334,8 +334,9 @@ def test_plan_prints_and_writes_every_rank_count(tmp_path: Path, capsys) -> None
     assert [len(p["per_rank"]) for p in plans] == [1, 3]
     for p in plans:
         assert sum(rank["owned"] for rank in p["per_rank"]) == 256
-        assert f"within 1 GiB per rank: {p['largest_system']} atoms" in out
-        assert 256 < p["largest_system"] < 2**30 / 200  # more than this, less than 200 B each
+        assert f"within 64 GiB per rank: {p['largest_system']} atoms" in out
+        # more than this, less than at 200 B an atom
+        assert 256 < p["largest_system"] < 64 * 2**30 / 200
 
 
 def test_md_plan_prints_the_runs_plan(capsys) -> None:

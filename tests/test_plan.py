@@ -26,8 +26,10 @@ def test_per_node_and_edge_recovers_a_linear_cost() -> None:
     make one negative, the other alone explains the blocks."""
     blocks = [(100, 4000, 100 * 300 + 4000 * 40), (250, 3000, 250 * 300 + 3000 * 40)]
     assert _per_node_and_edge(blocks) == pytest.approx((300, 40))
-    node, edge = _per_node_and_edge([(100, 4000, 4000 * 40.0), (100, 4400, 4000 * 40.0)])
-    assert node >= 0 and edge >= 0 and (node == 0 or edge == 0)
+    # the exact solution would price an edge at -10 B: the nodes alone (1,580 B each,
+    # their least squares) miss the blocks by 4,000 B, the edges alone by 19,000
+    node, edge = _per_node_and_edge([(100, 4000, 160_000), (100, 4400, 156_000)])
+    assert (node, edge) == (pytest.approx(1580), 0.0)
 
 
 @pytest.mark.parametrize("distributed", [False, True])
