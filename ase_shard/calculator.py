@@ -457,12 +457,16 @@ class ShardedCalculator(Calculator):
         )
         if reason is None:
             reason = layout.stale(atoms)
-        rows = None
+        rows, failed = None, None
         if reason is None and request.failure is None:
             with timer.phase("scatter"):
-                rows = layout.node_rows(atoms, request)
+                try:
+                    rows = layout.node_rows(atoms, request)
+                except Exception as exc:  # e.g. out of memory: the vote raises it everywhere
+                    error = self._memory_failure(exc, "reading its atoms' rows")
+                    failed = Failure.of(error, self.comm.rank)
         with timer.phase("validate"):
-            reason = self._agree(atoms, request, reason, rows, deformation)
+            reason = self._agree(atoms, request, reason, rows, deformation, failed)
         if reason is not None:
             rows = self._rebuild(atoms, request, reason)
         else:
@@ -485,6 +489,7 @@ class ShardedCalculator(Calculator):
         reason: str | None,
         rows: np.ndarray | None,
         deformation: np.ndarray | None,
+        failed: Failure | None = None,
     ) -> str | None:
         """Validate, vote on a rebuild and check the ranks' systems: one allgather.
 
@@ -494,7 +499,8 @@ class ShardedCalculator(Calculator):
         under SPMD the fingerprint of its whole copy, so that a copy that
         differs from rank 0's anywhere is found at this call, before any rank
         evaluates it. Every rank then raises the same error, or returns the
-        same rebuild reason (``None``: reuse).
+        same rebuild reason (``None``: reuse). ``failed``: this rank's failure
+        before the vote (reading its node rows), which every rank then raises.
         """
         layout = self.layout
 
@@ -511,7 +517,7 @@ class ShardedCalculator(Calculator):
                 layout.validate(atoms, request)
             return own_reason, layout.share(atoms, request, self._inputs_digest)
 
-        views = self.comm.share(own, failed=layout.failure(request))
+        views = self.comm.share(own, failed=failed or layout.failure(request))
         reason = next((view[0] for view in views if view[0] is not None), None)
         return layout.settle([view[1] for view in views], request, reason, self._copies)
 

@@ -206,6 +206,34 @@ def test_out_of_memory_while_listing_edges() -> None:
     assert len(set(COMM.allgather(str(caught.value)))) == 1
 
 
+def test_out_of_memory_reading_node_rows(monkeypatch) -> None:
+    """A rank that cannot allocate its node rows at a step that reuses the
+    decomposition (before the step's vote) stops every rank at that vote with its
+    OutOfMemory; the next call is exact again."""
+    atoms = cu_bulk()
+    calc = ShardedCalculator(EMT())
+    atoms.calc = calc
+    assert_matches(atoms, AseEMT())
+    node_rows = calc.layout.node_rows
+
+    def failing(*args, **kwargs):
+        if COMM.rank == LAST:
+            raise MemoryError("no room for the rows")
+        return node_rows(*args, **kwargs)
+
+    monkeypatch.setattr(calc.layout, "node_rows", failing)
+    atoms.positions[0, 0] += 0.01  # within the skin: the call reuses the decomposition
+    pattern = (
+        r"out of memory reading its atoms' rows, holding \d+ owned atoms and \d+ ghosts, "
+        rf"\d+ edges .*no room for the rows.*\[rank {LAST}\]$"
+    )
+    with pytest.raises(OutOfMemory, match=pattern) as caught:
+        atoms.get_forces()
+    assert len(set(COMM.allgather(str(caught.value)))) == 1
+    monkeypatch.undo()
+    assert_matches(atoms, AseEMT())
+
+
 def test_out_of_memory_in_a_vote() -> None:
     """An allocation that fails inside any of the calculator's votes (here numpy's
     refusal of 8 EiB on the last rank) is an OutOfMemory on every rank."""
