@@ -316,7 +316,11 @@ class LocalBlock:
         self.numbers = torch.as_tensor(numbers, dtype=torch.int64, device=self.device)
         image_shift = torch.as_tensor(rows.image_shift, dtype=torch.float64, device=self.device)
         node = torch.as_tensor(rows.node, dtype=torch.int64, device=self.device)
-        self.node_shift = image_shift[:n_nodes]
+        # the nodes whose row is another image of their atom (an atom wrapped into the
+        # cell) and their shifts in cells: the others' are zero, and the rows' shifts (24
+        # bytes a row) are not held past the build
+        self.shifted_nodes = image_shift[:n_nodes].any(dim=1).nonzero().squeeze(1)
+        self.node_shift = image_shift[self.shifted_nodes]
         self.n_owned, self.n_nodes = int(n_owned), int(n_nodes)
         self.model = model
         self.exchange = exchange
@@ -499,17 +503,28 @@ class LocalBlock:
         self.capacity = capacity
 
     def _offsets(self, cell: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Cartesian offsets (Å) of the nodes' and the shifted edges' images (the
-        latter ``None`` where the kernels read each edge's image, ``_images``)."""
+        """Cartesian offsets (Å) of the shifted nodes' (``shifted_nodes``) and the
+        shifted edges' images (the latter ``None`` where the kernels read each edge's
+        image, ``_images``)."""
         # they change only with the cell (barostats); compared on the host, where
         # a comparison costs no wait for a device
         if self._shift_cell is None or not np.array_equal(self._shift_cell, cell):
             self._shift_cell = np.array(cell, dtype=np.float64)
             on_device = torch.as_tensor(self._shift_cell, device=self.device)
             edges = None if self.edge_shift is None else self.edge_shift @ on_device
-            self._shifts = (self.node_shift @ on_device, edges)
+            # one product over all nodes, zeros for the unshifted, as when every node's
+            # offset was held: the same numbers to the last bit whichever kernel the
+            # product's shape picks (only once per cell)
+            every = torch.zeros((self.n_nodes, 3), dtype=torch.float64, device=self.device)
+            every[self.shifted_nodes] = self.node_shift
+            self._shifts = ((every @ on_device)[self.shifted_nodes], edges)
             self._device_cell = on_device
         return self._shifts
+
+    def _positions(self, rows: torch.Tensor, cell: np.ndarray) -> torch.Tensor:
+        """The nodes' positions (Å): their atoms' ``rows`` (left as they are), the
+        shifted nodes' moved to their images."""
+        return rows.index_add(0, self.shifted_nodes, self._offsets(cell)[0])
 
     def _kept_edges(self, keep: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """Indices of the edges with ``keep`` set, and how many of them end each hop level.
@@ -581,7 +596,7 @@ class LocalBlock:
             # copies from the host first: before any kernel is queued they wait for nothing
             rows = torch.as_tensor(node_rows, dtype=torch.float64, device=self.device)
             inputs, system = self._upload(inputs), self._upload(system)
-            positions = rows + self._offsets(cell)[0]
+            positions = self._positions(rows, cell)
             vectors64 = self._edge_vectors(positions, cell)
             squared = (vectors64 * vectors64).sum(dim=1)
             within, kept = self._kept_edges(squared < float(self.model.cutoff) ** 2)
@@ -683,7 +698,8 @@ class LocalBlock:
     ) -> np.ndarray:
         """:meth:`evaluate` by the model's own compiled kernel (:class:`DirectForces`)."""
         with self.timer.phase("forward"):
-            positions = np.asarray(node_rows, dtype=np.float64) + self._offsets(cell)[0].numpy()
+            rows = torch.as_tensor(node_rows, dtype=torch.float64)
+            positions = self._positions(rows, cell).numpy()
             image, shifts = self._images
             if self._columns is None:
                 self._columns = np.zeros((RESULT_COLUMNS, self.n_nodes))

@@ -231,8 +231,10 @@ def _pair_forces(  # pragma: no cover - compiled
     """
     closest = np.inf
     n_nodes = positions.shape[0]
-    # one node's sums together, as in EMT; column 10: the energy's rounding error
-    rows = np.zeros((n_nodes, 11))
+    # one node's sums together, as in EMT: energy, force, virial (only per node) and
+    # last the energy's rounding error; 40 bytes a node instead of 88 without the
+    # virials, whose columns would be zero (the step's peak memory holds these sums)
+    rows = np.zeros((n_nodes, 11 if per_node_virials else 5))
     vxx = vyy = vzz = vyz = vxz = vxy = 0.0  # the virial, when not per node
     for e in range(centre.shape[0]):
         i, j = centre[e], neighbour[e]
@@ -260,7 +262,7 @@ def _pair_forces(  # pragma: no cover - compiled
             vxx, vyy, vzz, vyz, vxz, vxy, dpair, dx, dy, dz
         )
     if not per_node_virials:
-        _add_total_virial(rows, vxx, vyy, vzz, vyz, vxz, vxy)
+        _add_total_virial(out, vxx, vyy, vzz, vyz, vxz, vxy)
     _add_node_sums(out, rows)
     return closest
 
@@ -279,22 +281,23 @@ def _virial_step(vxx, vyy, vzz, vyz, vxz, vxy, c, dx, dy, dz):  # pragma: no cov
 
 
 @numba.njit(cache=True, error_model="numpy", inline="always")
-def _add_total_virial(rows, vxx, vyy, vzz, vyz, vxz, vxy):  # pragma: no cover
-    """A virial summed in registers into node 0's columns (none without nodes)."""
-    if rows.shape[0] == 0:
+def _add_total_virial(out, vxx, vyy, vzz, vyz, vxz, vxy):  # pragma: no cover
+    """A virial summed in registers into node 0's result columns (none without nodes)."""
+    if out.shape[1] == 0:
         return
-    rows[0, 4] += vxx
-    rows[0, 5] += vyy
-    rows[0, 6] += vzz
-    rows[0, 7] += vyz
-    rows[0, 8] += vxz
-    rows[0, 9] += vxy
+    out[4, 0] += vxx
+    out[5, 0] += vyy
+    out[6, 0] += vzz
+    out[7, 0] += vyz
+    out[8, 0] += vxz
+    out[9, 0] += vxy
 
 
 @numba.njit(cache=True, error_model="numpy", inline="always")
 def _add_pair_energy_force(rows, node, energy, force, dx, dy, dz):  # pragma: no cover
-    """One end's energy (with its rounding error into column 10) and force ``force d``."""
-    rows[node, 0], rows[node, 10] = compensated_step(rows[node, 0], rows[node, 10], energy)
+    """One end's energy (with its rounding error into the last column) and force ``force d``."""
+    last = rows.shape[1] - 1
+    rows[node, 0], rows[node, last] = compensated_step(rows[node, 0], rows[node, last], energy)
     rows[node, 1] += force * dx
     rows[node, 2] += force * dy
     rows[node, 3] += force * dz
@@ -302,15 +305,18 @@ def _add_pair_energy_force(rows, node, energy, force, dx, dy, dz):  # pragma: no
 
 @numba.njit(cache=True, error_model="numpy", inline="always")
 def _add_node_sums(out, rows):  # pragma: no cover - compiled
-    """Node-major ``(n, 10)`` sums into the ``(10, n)`` result columns.
+    """Node-major sums into the ``(10, n)`` result columns.
 
-    An eleventh column holds the rounding error of the energies (column 0).
+    ``(n, 10)``: all ten columns; ``(n, 4)``: energy and force only (the virials
+    summed elsewhere). One more column holds the rounding error of the energies
+    (column 0).
     """
+    kept = 10 if rows.shape[1] >= 10 else 4
     for node in range(rows.shape[0]):
-        for k in range(10):
+        for k in range(kept):
             out[k, node] += rows[node, k]
-        if rows.shape[1] > 10:
-            out[0, node] += rows[node, 10]
+        if rows.shape[1] > kept:
+            out[0, node] += rows[node, kept]
 
 
 @numba.njit(cache=True, error_model="numpy", inline="always")
@@ -459,7 +465,10 @@ def _emt_pair_forces(  # pragma: no cover - compiled
     of this pass on 32,000 Cu atoms), the same column sums.
     """
     n_nodes = positions.shape[0]
-    rows = np.zeros((n_nodes, 10))  # one node's sums together: one or two cache lines
+    # one node's sums together: one or two cache lines; energy (zero here) and force
+    # only without the virials per node (32 bytes a node instead of 80, at the
+    # step's peak memory beside ``terms``)
+    rows = np.zeros((n_nodes, 10 if per_node_virials else 4))
     taken = 0
     reverse = 2 if terms.shape[1] == 3 else 0  # the reverse edge's density term
     vxx = vyy = vzz = vyz = vxz = vxy = 0.0  # the virial, when not per node
@@ -489,5 +498,5 @@ def _emt_pair_forces(  # pragma: no cover - compiled
                 vxx, vyy, vzz, vyz, vxz, vxy, c, dx, dy, dz
             )
     if not per_node_virials:
-        _add_total_virial(rows, vxx, vyy, vzz, vyz, vxz, vxy)
+        _add_total_virial(out, vxx, vyy, vzz, vyz, vxz, vxy)
     _add_node_sums(out, rows)  # no energies here: their row is zero

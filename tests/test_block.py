@@ -83,7 +83,8 @@ class _PairHalo:
 def _pairs(block) -> Counter:
     """The block's edges as atom pairs ``(a, b, cell shift)``, each pair one way round."""
     centre, neighbour = block.centre.numpy(), block.neighbour.numpy()
-    shift = block.node_shift.numpy()
+    shift = np.zeros((block.n_nodes, 3))
+    shift[block.shifted_nodes.numpy()] = block.node_shift.numpy()
     cells = shift[neighbour] - shift[centre]
     shifted, shift = block.image_edges()
     cells[shifted.numpy()] += shift.numpy()
@@ -126,6 +127,22 @@ def test_newton_pair_blocks_list_edges_to_ghosts_first(ranks: int) -> None:
         assert to_ghost > 0
         assert (np.diff(neighbour[:to_ghost]) >= 0).all() and neighbour[0] >= block.n_owned
         assert (neighbour[to_ghost:] < block.n_owned).all()
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_node_positions_from_the_shifted_nodes_alone(ranks: int) -> None:
+    """A block keeps only its shifted nodes' shifts: their positions are those of every
+    node's offset added, to the last bit (a triclinic cell, atoms outside it)."""
+    atoms = bulk("Cu", "fcc", a=3.61).repeat((5, 4, 4))
+    atoms.rattle(0.05, seed=5)
+    atoms.positions += 0.7  # some atoms beyond the cell: their nodes are wrapped images
+    for block in rank_blocks(EMT(), atoms, ranks):
+        assert 0 < len(block.shifted_nodes) < block.n_nodes
+        rows = torch.as_tensor(atoms.positions[block.ids])
+        every = torch.zeros((block.n_nodes, 3), dtype=torch.float64)
+        every[block.shifted_nodes] = block.node_shift
+        expected = rows + every @ torch.as_tensor(atoms.cell.array)
+        assert torch.equal(block._positions(rows, atoms.cell.array), expected)
 
 
 def test_edge_images_match_numpys_unique_rows() -> None:

@@ -15,7 +15,7 @@ import torch
 from ase import Atoms
 from ase.build import bulk
 from oracles import ase_results, rel_err, relative_errors
-from sync_count import Autograd, split_reuse_step
+from sync_count import Autograd, rank_blocks, split_reuse_step
 from systems import AR, CASES, MORSE_CU
 
 from ase_shard import ShardedCalculator
@@ -95,6 +95,19 @@ def test_blocks_equal_autograd(name: str, ranks: int) -> None:
     assert ranks == 1 or all(block.n_nodes > block.n_owned for block, _ in blocks)
     for rows in (slice(0, 1), slice(1, 4), slice(4, None)):  # energies, forces, virials
         assert rel_err(kernel[:, rows], autograd[:, rows]) <= RTOL_AUTOGRAD
+
+
+@pytest.mark.parametrize("name", sorted(_split_cases()))
+def test_virials_summed_in_registers(name: str) -> None:
+    """Without per-node virials (their node sums kept narrower): the same energies and
+    forces to the last bit, the virial columns' sum to round-off."""
+    make_model, atoms = _split_cases()[name]
+    (block,) = rank_blocks(make_model(), atoms, 1)
+    rows, cell = atoms.positions[block.ids], atoms.cell.array
+    per_node = block.evaluate(rows, cell, torch.float64, per_node_virials=True).copy()
+    total = block.evaluate(rows, cell, torch.float64, per_node_virials=False)
+    np.testing.assert_array_equal(total[:4], per_node[:4])
+    assert rel_err(total[4:].sum(axis=1), per_node[4:].sum(axis=1)) <= RTOL_AUTOGRAD
 
 
 def _edges(n_nodes: int, n_owned: int, centre=(), neighbour=(), cutoff: float = 5.0) -> EdgeList:
