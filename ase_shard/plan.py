@@ -312,7 +312,8 @@ def plan(
     one = _one_process()
     per_rank = []
     for rows in rank_rows(coords, atoms.pbc, owners, ranks, settings.halo_width, settings.fold):
-        edges = _listed_edges(atoms, model, settings, device, rows, one, several=ranks > 1)
+        # the rank's block, built as its own run builds it, counted and dropped
+        edges = listed_edges(_block(atoms, model, settings, device, rows, one, ranks > 1)[0])
         ghosts, sent = rows.n_nodes - rows.n_owned, len(rows.send_index)
         traffic = _received_bytes(calibration, ghosts, sent, distributed)
         results = (ranks - 1) * PARTIAL_SUMS_BYTES
@@ -496,20 +497,6 @@ def _measure_block(
     seconds = time.perf_counter() - start
     added = peak["cuda_peak_delta_mb"] if device.type == "cuda" else peak["peak_rss_delta_mb"]
     return rows.n_nodes, listed_edges(block), round(added * 2**20), seconds, exchange.crossings
-
-
-def _listed_edges(
-    atoms: Atoms,
-    model: torch.nn.Module,
-    settings: Settings,
-    device: torch.device,
-    rows: RankRows,
-    one: Comm,
-    several: bool,
-) -> int:
-    """The edges a rank with ``rows`` lists (its block built, counted, dropped)."""
-    block, _ = _block(atoms, model, settings, device, rows, one, several)
-    return listed_edges(block)
 
 
 def _block(

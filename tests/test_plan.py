@@ -35,12 +35,14 @@ def test_per_node_and_edge_recovers_a_linear_cost() -> None:
 @pytest.mark.parametrize("distributed", [False, True])
 def test_largest_system_extrapolates_to_a_larger_plan(distributed: bool) -> None:
     """What the plan of 4,000 atoms on 2 ranks says fits the peak that the plan of
-    13,500 atoms gives its busiest rank is within 10 % of 13,500 atoms, and not more
-    (its ghosts per atom are the smaller system's: a conservative guess)."""
+    13,500 atoms gives its busiest rank is within 20 % of 13,500 atoms, and not more
+    (its ghosts per atom are the smaller system's, 3,150 per 6,750 owned at 13,500
+    atoms but 1,400 per 2,000 at 4,000: a conservative guess, by as much as a ghost
+    costs against an owned atom in the calibration)."""
     small = plan(copper(10), EMT(), 2, distributed=distributed)
     large = plan(copper(15), EMT(), 2, distributed=distributed, calibration=small.calibration)
     fits = small.largest_system(max(large.peak_memory_per_rank))
-    assert 0.9 * large.n_atoms <= fits <= large.n_atoms
+    assert 0.8 * large.n_atoms <= fits <= large.n_atoms
     # and the smaller plan's own peak is its own size
     assert small.largest_system(max(small.peak_memory_per_rank)) == pytest.approx(
         small.n_atoms, rel=1e-3
