@@ -29,6 +29,7 @@ pytestmark = pytest.mark.skipif(Comm().size > 1, reason="serial: one process pla
 RTOL_ASE = 1e-10
 # the kernels and autograd differ in the order of their sums only
 RTOL_AUTOGRAD = 1e-12
+RTOL_ROUNDING = 1e-14  # one loop against another over the same pairs
 PROPERTIES = ("energy", "energies", "forces", "stress", "stresses")
 
 
@@ -100,13 +101,15 @@ def test_blocks_equal_autograd(name: str, ranks: int) -> None:
 @pytest.mark.parametrize("name", sorted(_split_cases()))
 def test_virials_summed_in_registers(name: str) -> None:
     """Without per-node virials (their node sums kept narrower): the same energies and
-    forces to the last bit, the virial columns' sum to round-off."""
+    forces and the same virial columns' sum, to round-off (the compiler fuses multiplies
+    and adds, ``fastmath={"contract"}``, where each loop lets it: not always alike)."""
     make_model, atoms = _split_cases()[name]
     (block,) = rank_blocks(make_model(), atoms, 1)
     rows, cell = atoms.positions[block.ids], atoms.cell.array
     per_node = block.evaluate(rows, cell, torch.float64, per_node_virials=True).copy()
     total = block.evaluate(rows, cell, torch.float64, per_node_virials=False)
-    np.testing.assert_array_equal(total[:4], per_node[:4])
+    for rows in (slice(0, 1), slice(1, 4)):  # energies, forces
+        assert rel_err(total[rows], per_node[rows]) <= RTOL_ROUNDING
     assert rel_err(total[4:].sum(axis=1), per_node[4:].sum(axis=1)) <= RTOL_AUTOGRAD
 
 
