@@ -23,10 +23,18 @@ as its force and half of the virial ``d ⊗ dE/dd``.
 
 EMT (two passes): the energy of an atom depends on its density, so an edge
 gives each end its own energy terms. The first pass sums the densities and
-keeps three numbers per pair taken (two for one element); the second, once
-every atom's ``dE/dsigma1`` is known, sums the forces and virials. Between
+keeps three numbers per listed edge (two for one element; zeros for an edge
+beyond the cutoff); the second, once every atom's ``dE/dsigma1`` is known,
+sums the forces and virials. Between
 them, with a halo, the ghost ends' densities go to their owners and their
 ``dE/dsigma1`` come back.
+
+The loops stay free of branches that the processor cannot predict (which
+edges are within the cutoff: a fifth are not, in no pattern): an edge beyond
+it adds zeros. Exponentials, which a compiled loop takes one at a time, are
+taken by numpy's vectorised ``exp`` in batches, and multiplies and adds are
+fused (``fastmath={"contract"}``; no other reordering, so the compensated sums
+stay exact).
 
 Compiled on first use and cached on disk by numba (``cache=True``). Divisions
 follow numpy's rules (``error_model="numpy"``): coincident atoms give
@@ -67,6 +75,8 @@ EMT_COLUMNS = 9
 # pair forms of :func:`pair_forces`
 LJ_SHIFTED, LJ_SMOOTH, MORSE = 0, 1, 2
 
+# edges a pair potential's kernel takes at a time: their vectors and terms stay in L1
+PAIR_BATCH = 1024
 # edges whose exponentials EMT's first pass takes at a time: 3 (5 for mixed elements)
 # rows of this many float64 stay in a core's L2 cache
 EXP_BATCH = 8192
@@ -132,9 +142,10 @@ def emt_forces(
     sums = np.zeros((4, len(numbers)))
     # one element: a pair's density terms seen from its two ends are the same number
     mixed = len(numbers) > 0 and numbers.min() != numbers.max()
-    # per edge taken: d(density w)/dr / r seen from the centre, 0.5 d(pair w)/dr / r
-    # (the same seen from either end) and, where the elements are ``mixed``, the first
-    # seen from the neighbour (without, it is the first: 8 bytes a pair fewer)
+    # per edge: d(density w)/dr / r seen from the centre, 0.5 d(pair w)/dr / r (the
+    # same seen from either end) and, where the elements are ``mixed``, the first seen
+    # from the neighbour (without, it is the first: 8 bytes an edge fewer); zeros for an
+    # edge not taken, so that the second pass needs no branch on the cutoff
     n_edges = len(arrays[1])
     terms = np.empty((n_edges, 3 if mixed else 2))
     # pass 1 in batches of edges: their exponentials by numpy's SIMD ``exp`` (under a
@@ -142,7 +153,7 @@ def emt_forces(
     # edge were half of this pass), the rest compiled, before and after
     radii = np.empty(min(n_edges, EXP_BATCH))
     exponents = np.empty((5 if mixed else 3, len(radii)))
-    closest, taken = np.inf, 0
+    closest = np.inf
     for start in range(0, n_edges, EXP_BATCH):
         stop = min(start + EXP_BATCH, n_edges)
         closest = min(closest, _emt_exponents(
@@ -150,9 +161,9 @@ def emt_forces(
             start, stop, radii, exponents,
         ))  # fmt: skip
         np.exp(exponents[:, : stop - start], out=exponents[:, : stop - start])
-        taken = _emt_densities(
+        _emt_densities(
             table, acut, beta, numbers, arrays[1], arrays[2], n_owned, split, mixed,
-            start, stop, radii, exponents, taken, sums, terms,
+            start, stop, radii, exponents, sums, terms,
         )  # fmt: skip
     if split:
         # a ghost's partial sums travel as one number each (not four): its owner adds
@@ -164,9 +175,7 @@ def emt_forces(
     del sums  # spent: not held through the second pass, at the step's peak
     if split:
         halo.copy_owner_columns(dcohesive)
-    _emt_pair_forces(
-        cutoff2, *arrays, n_owned, split, terms, dcohesive[0], edges.per_node_virials, out
-    )
+    _emt_pair_forces(*arrays, n_owned, split, terms, dcohesive[0], edges.per_node_virials, out)
     return closest
 
 
@@ -252,6 +261,13 @@ def _pair_forces(  # pragma: no cover - compiled
 ):  # fmt: skip
     """Each listed pair's energy, forces and virial (see :func:`pair_forces`).
 
+    In batches of :data:`PAIR_BATCH` edges, three loops: the edge vectors
+    (gathered from the positions), the pair terms (no branch, so the compiler
+    vectorises it, its division included; an edge beyond the cutoff or not
+    taken gets zeros), and the sums into the nodes (zeros added alike: a
+    branch on the cutoff, mispredicted for a fifth of the edges, cost more
+    than the additions). 32,000 argon atoms: 9.7 ms against 12.7 in one loop.
+
     Without ``per_node_virials`` the pairs' virials are summed in registers and
     put in node 0's columns, as :func:`_emt_pair_forces` does: twelve memory
     updates a pair fewer (11% of a 32,000-atom Lennard-Jones evaluation here).
@@ -263,31 +279,45 @@ def _pair_forces(  # pragma: no cover - compiled
     # virials, whose columns would be zero (the step's peak memory holds these sums)
     rows = np.zeros((n_nodes, 11 if per_node_virials else 5))
     vxx = vyy = vzz = vyz = vxz = vxy = 0.0  # the virial, when not per node
-    for e in range(centre.shape[0]):
-        i, j = centre[e], neighbour[e]
-        ends = _ends(i, j, n_owned, split)
-        if ends == 0:
-            continue
-        dx, dy, dz = _edge(e, positions, centre, neighbour, image, offsets)
-        r2 = dx * dx + dy * dy + dz * dz
-        closest = min(closest, r2)
-        if r2 >= cutoff2:
-            continue
-        pair, dpair = _pair(kind, params, r2)
-        # each end's share: half the energy, the force -+ dE/dd = -+ 2 pair'(r2) d
-        # and half of the virial d ⊗ dE/dd
-        if per_node_virials:
-            _add_pair_end(rows, i, 0.5 * pair, 2.0 * dpair, dpair, dx, dy, dz)
-            if ends == 2:
-                _add_pair_end(rows, j, 0.5 * pair, -2.0 * dpair, dpair, dx, dy, dz)
-            continue
-        _add_pair_energy_force(rows, i, 0.5 * pair, 2.0 * dpair, dx, dy, dz)
-        if ends == 2:
-            _add_pair_energy_force(rows, j, 0.5 * pair, -2.0 * dpair, dx, dy, dz)
-            dpair *= 2.0
-        vxx, vyy, vzz, vyz, vxz, vxy = _virial_step(
-            vxx, vyy, vzz, vyz, vxz, vxy, dpair, dx, dy, dz
-        )
+    vectors = np.empty((3, PAIR_BATCH))
+    squares = np.empty(PAIR_BATCH)  # squared lengths, inf for an edge not taken
+    halves = np.empty(PAIR_BATCH)  # each end's half of the pair energy
+    slopes = np.empty(PAIR_BATCH)  # dE/d(r**2)
+    both = np.empty(PAIR_BATCH, np.bool_)  # whether the edge stands for both ends
+    for start in range(0, centre.shape[0], PAIR_BATCH):
+        n = min(PAIR_BATCH, centre.shape[0] - start)
+        for k in range(n):
+            e = start + k
+            ends = _ends(centre[e], neighbour[e], n_owned, split)
+            both[k] = ends == 2
+            dx, dy, dz = _edge(e, positions, centre, neighbour, image, offsets)
+            vectors[0, k], vectors[1, k], vectors[2, k] = dx, dy, dz
+            squares[k] = dx * dx + dy * dy + dz * dz if ends != 0 else np.inf
+            closest = min(closest, squares[k])
+        for k in range(n):
+            pair, dpair = _pair(kind, params, squares[k])
+            inside = squares[k] < cutoff2
+            halves[k] = 0.5 * pair if inside else 0.0
+            slopes[k] = dpair if inside else 0.0
+        for k in range(n):
+            e = start + k
+            i, j = centre[e], neighbour[e]
+            dx, dy, dz = vectors[0, k], vectors[1, k], vectors[2, k]
+            half, dpair = halves[k], slopes[k]
+            # each end's share: half the energy, the force -+ dE/dd = -+ 2 pair'(r2) d
+            # and half of the virial d ⊗ dE/dd
+            if per_node_virials:
+                _add_pair_end(rows, i, half, 2.0 * dpair, dpair, dx, dy, dz)
+                if both[k]:
+                    _add_pair_end(rows, j, half, -2.0 * dpair, dpair, dx, dy, dz)
+                continue
+            _add_pair_energy_force(rows, i, half, 2.0 * dpair, dx, dy, dz)
+            if both[k]:
+                _add_pair_energy_force(rows, j, half, -2.0 * dpair, dx, dy, dz)
+                dpair *= 2.0
+            vxx, vyy, vzz, vyz, vxz, vxy = _virial_step(
+                vxx, vyy, vzz, vyz, vxz, vxy, dpair, dx, dy, dz
+            )
     if not per_node_virials:
         _add_total_virial(out, vxx, vyy, vzz, vyz, vxz, vxy)
     _add_node_sums(out, rows)
@@ -431,17 +461,19 @@ def _emt_exponents(  # pragma: no cover - compiled
 @numba.njit(cache=True, error_model="numpy", fastmath={"contract"})
 def _emt_densities(  # pragma: no cover - compiled
     table, acut, beta, numbers, centre, neighbour, n_owned, split, mixed, start, stop, radii,
-    exponentials, taken, sums, terms,
+    exponentials, sums, terms,
 ):
-    """Pass 1b, edges ``start:stop``: densities and pair sums into ``sums`` (4, n); per-pair
-    terms into ``terms`` from row ``taken`` on, returning the next row.
+    """Pass 1b, edges ``start:stop``: densities and pair sums into ``sums`` (4, n); per-edge
+    terms into their rows of ``terms``, zeros for an edge not taken.
 
     ``exponentials`` holds :func:`_emt_exponents`'s rows, exponentiated. Rows 0
     and 1 of ``sums`` take the densities and pair sums, rows 2 and 3 their
     rounding errors (:func:`ase_shard.summation.compensated_step`). A centre's
     own terms are summed in registers while its edges follow one another (the
     lists are grouped by centre) and added to ``sums`` once, with their error;
-    only the neighbours' ends go to memory edge by edge.
+    only the neighbours' ends go to memory edge by edge. An edge not taken has
+    ``w = 0``, so every term it adds is zero: no branch on it (a fifth of the
+    edges, unpredictably).
     """
     inverse_n0 = 1.0 / table[:, EMT_N0]  # divisions are slow: one per element, not per edge
     inverse_beta = 1.0 / beta
@@ -455,11 +487,9 @@ def _emt_densities(  # pragma: no cover - compiled
             current = i
             density_sum = density_error = pair_sum = pair_error = 0.0
         r = radii[k]
-        if r < 0.0:
-            continue
         zi, zj = numbers[i], numbers[j]
         u = exponentials[0, k]
-        w = 1.0 / (1.0 + u)
+        w = 1.0 / (1.0 + u) if r >= 0.0 else 0.0
         dw = -acut * u * w * w
         chi = table[zj, EMT_N0] * inverse_n0[zi]
         density = exponentials[1, k] * chi
@@ -473,18 +503,16 @@ def _emt_densities(  # pragma: no cover - compiled
         density_sum, density_error = same_sign_step(density_sum, density_error, density * w)
         pair_sum, pair_error = same_sign_step(pair_sum, pair_error, pair * w)
         inverse_r = 1.0 / r
-        terms[taken, 0] = density * (dw - table[zj, EMT_ETA2] * w) * inverse_r
-        terms[taken, 1] = 0.5 * (pair * dw - dpair) * inverse_r
+        terms[e, 0] = density * (dw - table[zj, EMT_ETA2] * w) * inverse_r
+        terms[e, 1] = 0.5 * (pair * dw - dpair) * inverse_r
         if _ends(i, j, n_owned, split) == 2:
             if zi != zj:
                 density = exponentials[4, k] / chi
             add_same_sign(sums, 0, j, density * w, 2)
             add_same_sign(sums, 1, j, pair * w, 3)
             if mixed:
-                terms[taken, 2] = density * (dw - table[zi, EMT_ETA2] * w) * inverse_r
-        taken += 1
+                terms[e, 2] = density * (dw - table[zi, EMT_ETA2] * w) * inverse_r
     _flush_centre(sums, current, density_sum, density_error, pair_sum, pair_error)
-    return taken
 
 
 @numba.njit(cache=True, error_model="numpy", fastmath={"contract"})
@@ -513,10 +541,13 @@ def _emt_energies(table, beta, numbers, sums, n_owned, out, dcohesive):  # pragm
 
 @numba.njit(cache=True, error_model="numpy", fastmath={"contract"})
 def _emt_pair_forces(  # pragma: no cover - compiled
-    cutoff2, positions, centre, neighbour, image, offsets, n_owned, split, terms, dcohesive,
+    positions, centre, neighbour, image, offsets, n_owned, split, terms, dcohesive,
     per_node_virials, out,
 ):
     """Pass 2: forces and virials of the pairs taken in pass 1, once ``dcohesive`` is known.
+
+    Every edge is walked: one not taken has zero terms and adds zeros (a branch
+    on the cutoff, here as in pass 1, cost more than its additions).
 
     ``dE_i/dd = c d`` gives ``+c d`` to ``i``, ``-c d`` to ``j`` and ``c d ⊗ d``
     halved to each; a pair taken for both ends adds the reverse edge's ``c`` (its
@@ -530,21 +561,14 @@ def _emt_pair_forces(  # pragma: no cover - compiled
     # only without the virials per node (32 bytes a node instead of 80, at the
     # step's peak memory beside ``terms``)
     rows = np.zeros((n_nodes, 10 if per_node_virials else 4))
-    taken = 0
     reverse = 2 if terms.shape[1] == 3 else 0  # the reverse edge's density term
     vxx = vyy = vzz = vyz = vxz = vxy = 0.0  # the virial, when not per node
     for e in range(centre.shape[0]):
         i, j = centre[e], neighbour[e]
-        ends = _ends(i, j, n_owned, split)
-        if ends == 0:
-            continue
         dx, dy, dz = _edge(e, positions, centre, neighbour, image, offsets)
-        if dx * dx + dy * dy + dz * dz >= cutoff2:
-            continue
-        c = dcohesive[i] * terms[taken, 0] + terms[taken, 1]
-        if ends == 2:
-            c += dcohesive[j] * terms[taken, reverse] + terms[taken, 1]
-        taken += 1
+        c = dcohesive[i] * terms[e, 0] + terms[e, 1]
+        if _ends(i, j, n_owned, split) == 2:
+            c += dcohesive[j] * terms[e, reverse] + terms[e, 1]
         rows[i, 1] += c * dx
         rows[i, 2] += c * dy
         rows[i, 3] += c * dz
