@@ -2,10 +2,12 @@
 
 One pass over the centres in bin order, so every centre's neighbouring bins are
 still in cache from the one before; no pair is ever held as a candidate. The
-bins are at least ``cutoff`` wide and number at most ``4 n + 64``, so memory is
-``O(n)`` whatever the extent (:func:`ase_shard.neighbors.close_gaps` keeps the
-extent ``O(n cutoff)``, so the bins stay close to ``cutoff`` wide). Compiled on
-first use and cached on disk by numba (a few seconds once per installation).
+bins are half of ``cutoff`` wide where the points are dense (a centre visits
+the 5 x 5 x 5 bins around its own: 42 % fewer candidates than 3 x 3 x 3 bins
+``cutoff`` wide), and number at most ``4 n + 64``, so memory is ``O(n)`` whatever the extent
+(:func:`ase_shard.neighbors.close_gaps` keeps the extent ``O(n cutoff)``).
+Compiled on first use and cached on disk by numba (a few seconds once per
+installation).
 """
 
 from __future__ import annotations
@@ -48,12 +50,15 @@ def cell_list_pairs(
     points = np.ascontiguousarray(points, dtype=np.float64)
     lo, hi = _bounds(points)
     extent = hi - lo
-    # bins about one point each (cheapest to sweep), never narrower than the cutoff
-    width = max(float(cutoff), float(np.prod(extent + cutoff) / len(points)) ** (1 / 3))
+    # half the cutoff where the points are denser than one per cutoff-wide bin (a third
+    # took longer: more bins to visit for fewer candidates), else a point per bin about
+    spacing = float(np.prod(extent + cutoff) / len(points)) ** (1 / 3)
+    width = float(cutoff) / 2 if spacing < cutoff else spacing
     shape = np.floor(extent / width).astype(np.int64) + 1
     while np.prod(shape) > BINS_PER_POINT * len(points) + 64:
         width *= 1.25
         shape = np.floor(extent / width).astype(np.int64) + 1
+    reach, z_reach = _stencil(float(cutoff), width)
     cell, start, order, sorted_points = _bin(points, lo, width, shape)
     # room for the pairs of a uniform block; where the points are denser (a liquid
     # beside its vapour), the sweep stops at the centre that does not fit and goes
@@ -69,14 +74,26 @@ def cell_list_pairs(
     while True:
         pairs = np.empty((2, capacity), dtype=dtype)
         found, done = _sweep(
-            sorted_points, order, cell, start, shape, n_centres, cutoff * cutoff, once, nodes,
-            done, pairs,
-        )
+            sorted_points, order, cell, start, shape, reach, z_reach, n_centres,
+            cutoff * cutoff, once, nodes, done, pairs,
+        )  # fmt: skip
         parts.append(pairs[:, :found])
         if done == len(points):
             return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
         listed = sum(part.shape[1] for part in parts)
         capacity = int(1.5 * listed / max(done, 1) * (len(points) - done)) + len(points) + 1024
+
+
+def _stencil(cutoff: float, width: float) -> tuple[int, np.ndarray]:
+    """The bins a centre visits: ``reach`` bins either way along the first two axes, and
+    along the third ``z_reach[|da|, |db|]`` either way (-1: none), the bins whose
+    nearest points can lie within ``cutoff`` (Å) of some point of the centre's bin."""
+    reach = int(np.ceil(cutoff / width))
+    gap = np.maximum(np.arange(reach + 1) - 1, 0) * width  # nearest distance, per axis
+    plane = gap[:, None] ** 2 + gap[None, :] ** 2
+    rest = np.sqrt(np.maximum(cutoff**2 - plane, 0.0))
+    z_reach = np.minimum(np.floor(rest / width).astype(np.int64) + 1, reach)
+    return reach, np.where(plane < cutoff**2, z_reach, -1)
 
 
 def has_empty_slab(points: np.ndarray, width: float) -> bool:
@@ -148,7 +165,8 @@ def _bin(points, lo, width, shape):  # pragma: no cover - compiled
 
 @numba.njit(cache=True)
 def _sweep(
-    sorted_points, order, cell, start, shape, n_centres, cutoff2, once, nodes, first, pairs
+    sorted_points, order, cell, start, shape, reach, z_reach, n_centres, cutoff2, once, nodes,
+    first, pairs,
 ):  # pragma: no cover - compiled
     """Write the pairs of the centres from row ``first`` on (in bin order) into
     ``pairs`` (with ``once``, only those with ``nodes[j] >= i``); stop before the first
@@ -171,20 +189,26 @@ def _sweep(
         y = sorted_points[qi, 1]
         z = sorted_points[qi, 2]
         written = found
-        for a in range(max(c0 - 1, 0), min(c0 + 2, shape[0])):
-            for b in range(max(c1 - 1, 0), min(c1 + 2, s1)):
+        for a in range(max(c0 - reach, 0), min(c0 + reach + 1, shape[0])):
+            for b in range(max(c1 - reach, 0), min(c1 + reach + 1, s1)):
+                m = z_reach[abs(a - c0), abs(b - c1)]
+                if m < 0:
+                    continue
                 row = (a * s1 + b) * s2
-                for q in range(start[row + max(c2 - 1, 0)], start[row + min(c2 + 2, s2)]):
+                for q in range(start[row + max(c2 - m, 0)], start[row + min(c2 + m + 1, s2)]):
                     dx = sorted_points[q, 0] - x
                     dy = sorted_points[q, 1] - y
                     dz = sorted_points[q, 2] - z
                     if dx * dx + dy * dy + dz * dz < cutoff2 and q != qi:
-                        if once and nodes[order[q]] < i:
-                            continue
                         if written == capacity:
                             return found, qi  # this centre again, in more room
+                        j = order[q]
                         pairs[0, written] = i
-                        pairs[1, written] = order[q]
-                        written += 1
+                        pairs[1, written] = j
+                        # written, and kept or not without a branch: whether a pair
+                        # within the cutoff is the one of its two kept is a coin toss
+                        # to the processor (32,000 liquid Ar atoms, 9 Å: 37 ms
+                        # against 44 with the branch, and 46 with bins cutoff wide)
+                        written += (nodes[j] >= i) if once else 1
         found = written
     return found, n
