@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ase_shard import neighbors
-from ase_shard.cell_list import cell_list_pairs, has_empty_slab
+from ase_shard.cell_list import _stencil, cell_list_pairs, has_empty_slab
 from ase_shard.neighbors import _cell_list_pairs, _may_have_gaps, neighbor_pairs
 
 
@@ -69,6 +69,25 @@ def test_pairs_match_brute_force(kind: str, n: int, cutoff: float) -> None:
         want = expected if n_centres is None else _centred(expected, n_centres)
         for name, pairs in _all_paths(points, cutoff, n_centres).items():
             np.testing.assert_array_equal(_sorted_pairs(pairs), want, err_msg=name)
+
+
+@pytest.mark.parametrize("ratio", [0.3, 0.5, 0.62, 0.8, 1.0, 1.7])
+def test_stencil_visits_exactly_the_bins_in_reach(ratio: float) -> None:
+    """A centre visits a bin at offset ``(da, db, dc)`` exactly when the nearest points of
+    the two bins lie closer than the cutoff: per axis ``max(|d| - 1, 0)`` widths apart."""
+    cutoff = 3.0
+    width = ratio * cutoff
+    reach, z_reach = _stencil(cutoff, width)
+    offsets = np.arange(-reach - 2, reach + 3)
+    for da in offsets:
+        for db in offsets:
+            for dc in offsets:
+                gaps = np.maximum(np.abs([da, db, dc]) - 1, 0) * width
+                in_reach = float(gaps @ gaps) < cutoff**2
+                visited = (
+                    max(abs(da), abs(db)) <= reach and abs(dc) <= z_reach[abs(da), abs(db)]
+                )
+                assert visited == in_reach, (ratio, da, db, dc)
 
 
 @pytest.mark.parametrize("kind", ["uniform", "clusters", "sheet"])
