@@ -411,14 +411,6 @@ def _flush_centre(sums, node, density, density_error, pair, pair_error):  # prag
     sums[3, node] += pair_error
 
 
-@numba.njit(cache=True, inline="always")
-def _not_taken(k, radii, exponents):  # pragma: no cover - compiled
-    """Column ``k`` of :func:`_emt_exponents`'s output for an edge not taken."""
-    radii[k] = -1.0
-    for row in range(exponents.shape[0]):
-        exponents[row, k] = 0.0
-
-
 @numba.njit(cache=True, error_model="numpy", fastmath={"contract"})
 def _emt_exponents(  # pragma: no cover - compiled
     table, rc, acut, beta, cutoff2, numbers, positions, centre, neighbour, image, offsets,
@@ -434,27 +426,34 @@ def _emt_exponents(  # pragma: no cover - compiled
     """
     inverse_beta = 1.0 / beta
     closest = np.inf
+    z0 = numbers[0] if numbers.shape[0] > 0 else 0  # the one element, unless mixed
+    eta2_0, s0_0, kappa_0 = table[z0, EMT_ETA2], table[z0, EMT_S0], table[z0, EMT_KAPPA]
     for e in range(start, stop):
         k = e - start
         i, j = centre[e], neighbour[e]
-        if _ends(i, j, n_owned, split) == 0:
-            _not_taken(k, radii, exponents)
-            continue
+        listed = _ends(i, j, n_owned, split) != 0
         dx, dy, dz = _edge(e, positions, centre, neighbour, image, offsets)
         r2 = dx * dx + dy * dy + dz * dz
-        closest = min(closest, r2)
-        if r2 >= cutoff2:
-            _not_taken(k, radii, exponents)
-            continue
+        closest = min(closest, r2 if listed else np.inf)
+        # every edge computed, its columns selected: no branch on the cutoff
+        taken = listed & (r2 < cutoff2)
         r = math.sqrt(r2)
-        radii[k] = r
-        zi, zj = numbers[i], numbers[j]
-        exponents[0, k] = acut * (r - rc)
-        exponents[1, k] = -table[zj, EMT_ETA2] * (r - beta * table[zj, EMT_S0])
-        exponents[2, k] = -table[zj, EMT_KAPPA] * (r * inverse_beta - table[zj, EMT_S0])
+        radii[k] = r if taken else -1.0
+        exponents[0, k] = acut * (r - rc) if taken else 0.0
         if mixed:
-            exponents[3, k] = -table[zi, EMT_KAPPA] * (r * inverse_beta - table[zi, EMT_S0])
-            exponents[4, k] = -table[zi, EMT_ETA2] * (r - beta * table[zi, EMT_S0])
+            zi, zj = numbers[i], numbers[j]
+            eta2, s0, kappa = table[zj, EMT_ETA2], table[zj, EMT_S0], table[zj, EMT_KAPPA]
+        else:  # in registers: the table's entries are reloaded after every store
+            eta2, s0, kappa = eta2_0, s0_0, kappa_0
+        exponents[1, k] = -eta2 * (r - beta * s0) if taken else 0.0
+        exponents[2, k] = -kappa * (r * inverse_beta - s0) if taken else 0.0
+        if mixed:
+            exponents[3, k] = (
+                -table[zi, EMT_KAPPA] * (r * inverse_beta - table[zi, EMT_S0]) if taken else 0.0
+            )
+            exponents[4, k] = (
+                -table[zi, EMT_ETA2] * (r - beta * table[zi, EMT_S0]) if taken else 0.0
+            )
     return closest
 
 
@@ -477,6 +476,9 @@ def _emt_densities(  # pragma: no cover - compiled
     """
     inverse_n0 = 1.0 / table[:, EMT_N0]  # divisions are slow: one per element, not per edge
     inverse_beta = 1.0 / beta
+    z0 = numbers[0] if numbers.shape[0] > 0 else 0  # the one element, unless mixed
+    eta2_0, kappa_0 = table[z0, EMT_ETA2], table[z0, EMT_KAPPA]
+    halfv_0 = table[z0, EMT_NEGHALFV0OVERGAMMA2]
     current = -1  # the centre being summed in registers
     density_sum = density_error = pair_sum = pair_error = 0.0
     for e in range(start, stop):
@@ -487,23 +489,30 @@ def _emt_densities(  # pragma: no cover - compiled
             current = i
             density_sum = density_error = pair_sum = pair_error = 0.0
         r = radii[k]
-        zi, zj = numbers[i], numbers[j]
         u = exponentials[0, k]
         w = 1.0 / (1.0 + u) if r >= 0.0 else 0.0
         dw = -acut * u * w * w
-        chi = table[zj, EMT_N0] * inverse_n0[zi]
+        if mixed:
+            zi, zj = numbers[i], numbers[j]
+            chi = table[zj, EMT_N0] * inverse_n0[zi]
+            kappa_i, kappa_j = table[zi, EMT_KAPPA], table[zj, EMT_KAPPA]
+            eta2_j = table[zj, EMT_ETA2]
+            es = table[zi, EMT_NEGHALFV0OVERGAMMA2] * chi * exponentials[2, k]
+        else:  # in registers: the table's entries are reloaded after every store
+            zi = zj = z0
+            chi, kappa_i, kappa_j, eta2_j = 1.0, kappa_0, kappa_0, eta2_0
+            es = halfv_0 * exponentials[2, k]
         density = exponentials[1, k] * chi
-        es = table[zi, EMT_NEGHALFV0OVERGAMMA2] * chi * exponentials[2, k]
         if zi == zj:
             eo = es  # chi is 1
         else:
             eo = table[zj, EMT_NEGHALFV0OVERGAMMA2] / chi * exponentials[3, k]
         pair = es + eo
-        dpair = (table[zj, EMT_KAPPA] * es + table[zi, EMT_KAPPA] * eo) * inverse_beta * w
+        dpair = (kappa_j * es + kappa_i * eo) * inverse_beta * w
         density_sum, density_error = same_sign_step(density_sum, density_error, density * w)
         pair_sum, pair_error = same_sign_step(pair_sum, pair_error, pair * w)
         inverse_r = 1.0 / r
-        terms[e, 0] = density * (dw - table[zj, EMT_ETA2] * w) * inverse_r
+        terms[e, 0] = density * (dw - eta2_j * w) * inverse_r
         terms[e, 1] = 0.5 * (pair * dw - dpair) * inverse_r
         if _ends(i, j, n_owned, split) == 2:
             if zi != zj:
