@@ -23,7 +23,7 @@ as its force and half of the virial ``d ⊗ dE/dd``.
 
 EMT (two passes): the energy of an atom depends on its density, so an edge
 gives each end its own energy terms. The first pass sums the densities and
-keeps three numbers per pair taken (two for one element) and a flag per
+keeps three numbers per pair taken (two for one element) and a bit per
 listed edge; the second, once every atom's ``dE/dsigma1`` is known, sums the
 forces and virials. Between
 them, with a halo, the ghost ends' densities go to their owners and their
@@ -145,13 +145,13 @@ def emt_forces(
     # per edge taken, in order: d(density w)/dr / r seen from the centre, 0.5 d(pair
     # w)/dr / r (the same seen from either end) and, where the elements are ``mixed``,
     # the first seen from the neighbour (without, it is the first: 8 bytes a pair
-    # fewer); one spare row. Whether each edge was taken is a byte: the second pass
+    # fewer); one spare row. Whether each edge was taken is a bit: the second pass
     # takes it from there, with no branch and never a length that might round
     # otherwise than here (rows of zeros for the edges not taken instead held
-    # 0.14 kB an atom more, 32,000 to 256,000 Cu atoms)
+    # 0.14 kB an atom more, 32,000 to 256,000 Cu atoms; a byte per edge 0.04 kB)
     n_edges = len(arrays[1])
     terms = np.empty((n_edges + 1, 3 if mixed else 2))
-    taken_edges = np.empty(n_edges, np.bool_)
+    taken_edges = np.zeros((n_edges + 7) // 8, np.uint8)
     taken = 0
     # pass 1 in batches of edges: their exponentials by numpy's SIMD ``exp`` (under a
     # nanosecond each, against 5.7 for the compiled loop's scalar ``exp``: three per
@@ -409,6 +409,12 @@ def _ends(i, j, n_owned, split):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, inline="always")
+def _taken(taken_edges, e):  # pragma: no cover - compiled
+    """Edge ``e``'s bit of ``taken_edges`` (eight edges a byte, the first lowest): 0 or 1."""
+    return (taken_edges[e >> 3] >> (e & 7)) & 1
+
+
+@numba.njit(cache=True, inline="always")
 def _flush_centre(sums, node, density, density_error, pair, pair_error):  # pragma: no cover
     """A centre's density and pair sums, each with its error, into its columns of ``sums``."""
     if node < 0:
@@ -471,8 +477,8 @@ def _emt_densities(  # pragma: no cover - compiled
     exponentials, taken, taken_edges, sums, terms,
 ):
     """Pass 1b, edges ``start:stop``: densities and pair sums into ``sums`` (4, n); whether
-    each edge is taken into ``taken_edges``, the terms of those taken into ``terms`` from
-    row ``taken`` on; returns the next row.
+    each edge is taken into its bit of ``taken_edges`` (:func:`_taken`), the terms of
+    those taken into ``terms`` from row ``taken`` on; returns the next row.
 
     ``exponentials`` holds :func:`_emt_exponents`'s rows, exponentiated. Rows 0
     and 1 of ``sums`` take the densities and pair sums, rows 2 and 3 their
@@ -500,7 +506,7 @@ def _emt_densities(  # pragma: no cover - compiled
             density_sum = density_error = pair_sum = pair_error = 0.0
         r = radii[k]
         taken_edge = r >= 0.0
-        taken_edges[e] = taken_edge
+        taken_edges[e >> 3] |= np.uint8(taken_edge) << (e & 7)
         u = exponentials[0, k]
         w = 1.0 / (1.0 + u) if taken_edge else 0.0
         dw = -acut * u * w * w
@@ -595,8 +601,9 @@ def _emt_pair_forces(  # pragma: no cover - compiled
         c = dcohesive[i] * terms[taken, 0] + terms[taken, 1]
         if _ends(i, j, n_owned, split) == 2:
             c += dcohesive[j] * terms[taken, reverse] + terms[taken, 1]
-        c = c if taken_edges[e] else 0.0
-        taken += taken_edges[e]
+        taken_edge = _taken(taken_edges, e)
+        c = c if taken_edge else 0.0
+        taken += taken_edge
         rows[i, 1] += c * dx
         rows[i, 2] += c * dy
         rows[i, 3] += c * dz
