@@ -4,13 +4,17 @@
 one process's step differs from the next one's by 10-30 %, and a few per cent
 hide in that. Here the older revision is extracted from git (``git archive``)
 as a package named ``ase_shard_old`` and imported beside ``ase_shard``: two
-copies of 32,000 Cu atoms (fcc, 20^3 cubic cells), each with one calculator
-(EMT, the revision's own), take the same random moves of 1e-3 Å per atom, and
-each is asked to rebuild and evaluate, in turns (ABBA), every evaluation timed
+copies of 32,000 Cu atoms (fcc, 20^3 cubic cells; with ``--model lj`` liquid
+argon, ``ase-shard bench``'s ``ar-liquid``), each with one calculator (EMT or
+Lennard-Jones at 8.5 Å, the revision's own), take the same random moves of
+1e-3 Å per atom, and each is asked to rebuild and evaluate (with ``--reuse``,
+only to evaluate: the kernels' share), in turns (ABBA), every evaluation timed
 between barriers. Drift of the machine then falls on both alike.
 
     OMP_NUM_THREADS=1 python scripts/ab_in_process.py --old ad69707 --ranks 2 \\
         --steps 40 --balance work --json out.json
+    OMP_NUM_THREADS=1 python scripts/ab_in_process.py --old 7f996bb --ranks 1 \\
+        --model lj --reuse
 
 Prints the median evaluation of each and their ratio, new / old (and the median
 of the per-turn ratios), the largest difference of their forces, and rank 0's
@@ -51,24 +55,32 @@ def extract(revision: str, into: Path) -> None:
         path.write_text(word.sub(OLD, path.read_text()))
 
 
-def child(steps: int, balance: str) -> None:
-    """Time both revisions' rebuilds in this process; rank 0 prints JSON."""
+def child(steps: int, balance: str, model: str, reuse: bool) -> None:
+    """Time both revisions' rebuilds (or reuse steps) in this process; rank 0 prints JSON."""
     import ase_shard_old  # noqa: I001 (extracted beside the tree at run time)
     import numpy as np
     from ase.build import bulk
     from mpi4py import MPI
 
     import ase_shard
+    from ase_shard.peers import ARGON
+    from ase_shard.presets import SYSTEMS
 
     comm = MPI.COMM_WORLD
-    base = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(20)
+    if model == "lj":
+        base = SYSTEMS["ar-liquid"].build(20, 0)
+    else:
+        base = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(20)
     runs = {}
     for name, package, options in (
         ("old", ase_shard_old, {}),
         ("new", ase_shard, {"balance": balance}),
     ):
         atoms = base.copy()
-        atoms.calc = package.ShardedCalculator(package.models.EMT(), **options)
+        potential = (
+            package.models.LennardJones(**ARGON) if model == "lj" else package.models.EMT()
+        )
+        atoms.calc = package.ShardedCalculator(potential, **options)
         atoms.get_forces()
         runs[name] = atoms
     rng = np.random.default_rng(7)
@@ -80,7 +92,8 @@ def child(steps: int, balance: str) -> None:
         for name in ("old", "new") if turn % 2 else ("new", "old"):
             atoms = runs[name]
             atoms.positions += move
-            atoms.calc.request_rebuild()
+            if not reuse:
+                atoms.calc.request_rebuild()
             comm.Barrier()
             start = time.perf_counter()
             atoms.get_forces()
@@ -98,6 +111,8 @@ def child(steps: int, balance: str) -> None:
             json.dumps(
                 {
                     "ranks": comm.size,
+                    "model": model,
+                    "reuse": reuse,
                     "balance": balance,
                     "steps": steps,
                     "old_s": old,
@@ -120,11 +135,13 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=40, help="rebuilds of each (default 40)")
     parser.add_argument("--balance", default="work", help="this tree's balance= (work)")
+    parser.add_argument("--model", choices=("emt", "lj"), default="emt")
+    parser.add_argument("--reuse", action="store_true", help="time steps without a rebuild")
     parser.add_argument("--json", help="write the result here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.steps, args.balance)
+        child(args.steps, args.balance, args.model, args.reuse)
         return
     with tempfile.TemporaryDirectory() as scratch:
         extract(args.old, Path(scratch))
@@ -133,12 +150,14 @@ def main() -> None:
         mpirun = str(Path(sys.executable).parent / "mpirun")
         launcher = [mpirun, "--oversubscribe", "-n", str(args.ranks)]
         command = [*launcher, sys.executable, str(HERE), "--child"]
-        command += ["--steps", str(args.steps), "--balance", args.balance]
+        command += ["--steps", str(args.steps), "--balance", args.balance, "--model", args.model]
+        command += ["--reuse"] if args.reuse else []
         done = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     result["old_revision"] = args.old
     print(
-        f"{args.ranks} rank(s), balance={args.balance}: old {result['old_s'] * 1e3:.1f} ms, "
+        f"{args.ranks} rank(s), {args.model}{', reuse' if args.reuse else ''}, "
+        f"balance={args.balance}: old {result['old_s'] * 1e3:.1f} ms, "
         f"new {result['new_s'] * 1e3:.1f} ms, new/old {result['ratio']:.3f} (per turn "
         f"{result['median_turn_ratio']:.3f}); forces differ by at most "
         f"{result['max_force_difference_eV_per_A']:.1e} eV/Å"

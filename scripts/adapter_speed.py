@@ -293,7 +293,15 @@ def make_system(name: str, elements: tuple[int, ...]) -> Atoms:
 
 def available(family: str) -> bool:
     """Whether the packages ``family`` needs are importable here."""
-    return all(importlib.util.find_spec(name) is not None for name in REQUIRES[family])
+    return all(_importable(name) for name in REQUIRES[family])
+
+
+def _importable(name: str) -> bool:
+    """Whether module ``name`` is found (for ``a.b``, ``find_spec`` raises without ``a``)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def _serial_comm():
