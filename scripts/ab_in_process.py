@@ -24,6 +24,7 @@ time per evaluation in each of the calculators' phases.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
@@ -77,9 +78,8 @@ def child(steps: int, balance: str, model: str, reuse: bool) -> None:
         ("new", ase_shard, {"balance": balance}),
     ):
         atoms = base.copy()
-        potential = (
-            package.models.LennardJones(**ARGON) if model == "lj" else package.models.EMT()
-        )
+        models = importlib.import_module(f"{package.__name__}.models")
+        potential = models.LennardJones(**ARGON) if model == "lj" else models.EMT()
         atoms.calc = package.ShardedCalculator(potential, **options)
         atoms.get_forces()
         runs[name] = atoms
@@ -152,7 +152,9 @@ def main() -> None:
         command = [*launcher, sys.executable, str(HERE), "--child"]
         command += ["--steps", str(args.steps), "--balance", args.balance, "--model", args.model]
         command += ["--reuse"] if args.reuse else []
-        done = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"the timed run failed (exit {done.returncode}):\n{done.stderr}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
     result["old_revision"] = args.old
     print(
