@@ -132,6 +132,12 @@ def pack(arrays: Mapping[str, np.ndarray], rows: np.ndarray | slice) -> np.ndarr
     )
 
 
+def row_width(shapes: Mapping[str, Sequence[int]]) -> int:
+    """Columns of a node row: the position (3, Å), then the arrays of per-atom ``shapes``
+    packed (:func:`pack`)."""
+    return 3 + sum(int(np.prod(shape, dtype=np.int64)) for shape in shapes.values())
+
+
 def unpack(packed: np.ndarray, shapes: Mapping[str, Sequence[int]]) -> dict[str, np.ndarray]:
     """Inverse of :func:`pack` given each array's per-atom shape."""
     out, start = {}, 0

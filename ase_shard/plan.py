@@ -53,7 +53,7 @@ from ase_shard.comm import Comm
 from ase_shard.exchange import Crossing, HaloExchange
 from ase_shard.graph import check_model, direct_forces
 from ase_shard.halo import RankRows, local_rows, rank_rows
-from ase_shard.inputs import ModelInputs, pack, unpack
+from ase_shard.inputs import ModelInputs, pack, row_width, unpack
 from ase_shard.partition import choose_grid, frame_coordinates, spatial_owners
 from ase_shard.placement import checked_dtype, placed
 from ase_shard.settings import Settings
@@ -398,7 +398,6 @@ def calibrate(
     node_seconds, edge_seconds = _per_node_and_edge([(*b[:2], b[3]) for b in blocks])
     inputs = ModelInputs.of(model)
     arrays = inputs.per_atom_arrays(atoms) if inputs.per_atom else {}
-    width = 3 + sum(int(np.prod(a.shape[1:], dtype=np.int64)) for a in arrays.values())
     return Calibration(
         device=str(device),
         fixed_bytes=int(fixed),
@@ -407,7 +406,7 @@ def calibrate(
         node_seconds=node_seconds,
         edge_seconds=edge_seconds,
         crossings=tuple(crossings),
-        row_bytes=8 * width,
+        row_bytes=8 * row_width({name: a.shape[1:] for name, a in arrays.items()}),
         blocks=tuple(blocks),
     )
 

@@ -32,7 +32,7 @@ from ase_shard.balance import WorkCuts
 from ase_shard.comm import Comm, Failure
 from ase_shard.exchange import Halo
 from ase_shard.halo import RankRows
-from ase_shard.inputs import ModelInputs, pack, take_rows
+from ase_shard.inputs import ModelInputs, pack, row_width, take_rows
 from ase_shard.partition import (
     EVERY_ATOM_HERE,
     FrameCoordinates,
@@ -125,7 +125,7 @@ class Request:
     @property
     def row_width(self) -> int:
         """Columns of a node row: the position (Å), then the packed per-atom inputs."""
-        return 3 + sum(int(np.prod(s, dtype=np.int64)) for s in self.input_shapes.values())
+        return row_width(self.input_shapes)
 
 
 @dataclass
