@@ -546,7 +546,7 @@ class ShardedCalculator(Calculator):
                 planned.n_owned,
                 planned.n_nodes,
                 len(planned.send_index),
-                self._listed_edges(),
+                listed_edges(self._block),
                 sum(block.listed_work() for block in self._term_blocks()),
             )
             return counts, [block.needed() for block in self._term_blocks()]
@@ -652,15 +652,11 @@ class ShardedCalculator(Calculator):
         owned = ghosts = None
         if state is not None:
             owned, ghosts = state.rows.n_owned, state.rows.n_nodes - state.rows.n_owned
-        edges = None if self._block is None else self._listed_edges()
+        edges = None if self._block is None else listed_edges(self._block)
         planned = None
         if self.memory_plan is not None and self.memory_plan.ranks == self.comm.size:
             planned = self.memory_plan.peak_memory_per_rank[self.comm.rank]
         return out_of_memory(error, where, RankShare(owned, ghosts, edges, planned))
-
-    def _listed_edges(self) -> int:
-        """The edges this rank's blocks list (of a ``Sum``, every term's)."""
-        return listed_edges(self._block)
 
     def _term_blocks(self) -> list[LocalBlock]:
         """The block of each term (of a ``Sum``: one per term), in the terms' order."""
