@@ -140,8 +140,10 @@ def emt_forces(
     # (:mod:`ase_shard.summation`): with ~80 neighbours each, plain sums were the
     # energy's main noise
     sums = np.zeros((4, len(numbers)))
-    # one element: a pair's density terms seen from its two ends are the same number
+    # one element: a pair's density terms seen from its two ends are the same number,
+    # and the kernels keep that ``element``'s parameters in registers
     mixed = len(numbers) > 0 and numbers.min() != numbers.max()
+    element = int(numbers[0]) if len(numbers) else 0
     # per edge taken, in order: d(density w)/dr / r seen from the centre, 0.5 d(pair
     # w)/dr / r (the same seen from either end) and, where the elements are ``mixed``,
     # the first seen from the neighbour (without, it is the first: 8 bytes a pair
@@ -162,12 +164,12 @@ def emt_forces(
     for start in range(0, n_edges, EXP_BATCH):
         stop = min(start + EXP_BATCH, n_edges)
         closest = min(closest, _emt_exponents(
-            table, rc, acut, beta, cutoff2, numbers, *arrays, n_owned, split, mixed,
+            table, rc, acut, beta, cutoff2, numbers, *arrays, n_owned, split, mixed, element,
             start, stop, radii, exponents,
         ))  # fmt: skip
         np.exp(exponents[:, : stop - start], out=exponents[:, : stop - start])
         taken = _emt_densities(
-            table, acut, beta, numbers, arrays[1], arrays[2], n_owned, split, mixed,
+            table, acut, beta, numbers, arrays[1], arrays[2], n_owned, split, mixed, element,
             start, stop, radii, exponents, taken, taken_edges, sums, terms,
         )  # fmt: skip
     terms[taken] = 0.0  # the spare row, read for the edges not taken after the last
@@ -428,7 +430,7 @@ def _flush_centre(sums, node, density, density_error, pair, pair_error):  # prag
 @numba.njit(cache=True, error_model="numpy", fastmath={"contract"})
 def _emt_exponents(  # pragma: no cover - compiled
     table, rc, acut, beta, cutoff2, numbers, positions, centre, neighbour, image, offsets,
-    n_owned, split, mixed, start, stop, radii, exponents,
+    n_owned, split, mixed, element, start, stop, radii, exponents,
 ):
     """Pass 1a, edges ``start:stop``: each taken edge's length into ``radii``, -1 if not taken,
     and the exponents of its exponentials into the columns of ``exponents``.
@@ -440,8 +442,8 @@ def _emt_exponents(  # pragma: no cover - compiled
     """
     inverse_beta = 1.0 / beta
     closest = np.inf
-    z0 = numbers[0] if numbers.shape[0] > 0 else 0  # the one element, unless mixed
-    eta2_0, s0_0, kappa_0 = table[z0, EMT_ETA2], table[z0, EMT_S0], table[z0, EMT_KAPPA]
+    eta2_0, s0_0 = table[element, EMT_ETA2], table[element, EMT_S0]
+    kappa_0 = table[element, EMT_KAPPA]
     for e in range(start, stop):
         k = e - start
         i, j = centre[e], neighbour[e]
@@ -473,8 +475,8 @@ def _emt_exponents(  # pragma: no cover - compiled
 
 @numba.njit(cache=True, error_model="numpy", fastmath={"contract"})
 def _emt_densities(  # pragma: no cover - compiled
-    table, acut, beta, numbers, centre, neighbour, n_owned, split, mixed, start, stop, radii,
-    exponentials, taken, taken_edges, sums, terms,
+    table, acut, beta, numbers, centre, neighbour, n_owned, split, mixed, element, start,
+    stop, radii, exponentials, taken, taken_edges, sums, terms,
 ):
     """Pass 1b, edges ``start:stop``: densities and pair sums into ``sums`` (4, n); whether
     each edge is taken into its bit of ``taken_edges`` (:func:`_taken`), the terms of
@@ -492,9 +494,8 @@ def _emt_densities(  # pragma: no cover - compiled
     """
     inverse_n0 = 1.0 / table[:, EMT_N0]  # divisions are slow: one per element, not per edge
     inverse_beta = 1.0 / beta
-    z0 = numbers[0] if numbers.shape[0] > 0 else 0  # the one element, unless mixed
-    eta2_0, kappa_0 = table[z0, EMT_ETA2], table[z0, EMT_KAPPA]
-    halfv_0 = table[z0, EMT_NEGHALFV0OVERGAMMA2]
+    eta2_0, kappa_0 = table[element, EMT_ETA2], table[element, EMT_KAPPA]
+    halfv_0 = table[element, EMT_NEGHALFV0OVERGAMMA2]
     current = -1  # the centre being summed in registers
     density_sum = density_error = pair_sum = pair_error = 0.0
     for e in range(start, stop):
@@ -517,7 +518,7 @@ def _emt_densities(  # pragma: no cover - compiled
             eta2_j = table[zj, EMT_ETA2]
             es = table[zi, EMT_NEGHALFV0OVERGAMMA2] * chi * exponentials[2, k]
         else:  # in registers: the table's entries are reloaded after every store
-            zi = zj = z0
+            zi = zj = element
             chi, kappa_i, kappa_j, eta2_j = 1.0, kappa_0, kappa_0, eta2_0
             es = halfv_0 * exponentials[2, k]
         density = exponentials[1, k] * chi
