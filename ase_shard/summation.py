@@ -8,7 +8,10 @@ differences of the energy magnify. Neumaier's compensated summation keeps each
 addition's rounding error in a second accumulator: the result is as accurate
 as if the sum were formed in twice the precision, whatever the order.
 
-The kernels add into per-node accumulators with :func:`add_compensated`; the
+EMT's kernel adds its densities into per-node accumulators with
+:func:`add_compensated` (a density feeds an exponential and a logarithm, which
+magnify its rounding); the pair potentials' per-node energies are plain sums of
+small terms (see :func:`ase_shard.kernels._add_pair_energy_force`). The
 calculator sums a rank's result columns with :func:`compensated_row_sums` and
 the ranks' partial sums with :func:`exact_total` (``math.fsum``, correctly
 rounded, so the total is the same bits for every order of ranks).
