@@ -233,6 +233,25 @@ def test_dense_cluster_beyond_the_first_guess() -> None:
     np.testing.assert_array_equal(_sorted_pairs(got), _brute_force(points, 1.5))
 
 
+@pytest.mark.parametrize("dense_cluster", [False, True])
+def test_compiled_list_holds_no_spare_room(dense_cluster: bool) -> None:
+    """The list's memory is its pairs only: the room sized ahead of the search is given
+    back (one sweep), or the sweeps' parts are joined into a list of their size; the
+    pairs are those of a brute-force search, each once."""
+    if dense_cluster:  # as above: two sweeps
+        points = np.random.default_rng(12).normal(0.0, 0.2, (400, 3))
+        points[0] = [300.0, 0.0, 0.0]
+    else:
+        points = _gas(2000)
+    pairs = cell_list_pairs(points, 3.0, len(points), np.arange(len(points)), np.int32)
+    owner = pairs if pairs.base is None else pairs.base
+    assert owner.nbytes == pairs.nbytes == 2 * pairs.shape[1] * 4
+    expected = _brute_force(points, 3.0)
+    expected = expected[expected[:, 0] < expected[:, 1]]
+    got = _sorted_pairs(torch.from_numpy(pairs.astype(np.int64)))
+    np.testing.assert_array_equal(got, expected)
+
+
 def _gas(n: int) -> np.ndarray:
     """Uniform random points in a 30 Å box."""
     return np.random.default_rng(7).uniform(0.0, 30.0, (n, 3))
