@@ -107,10 +107,10 @@ def pair_forces(kind: int, params: np.ndarray, edges: EdgeList, out: np.ndarray)
     # a tuple of five, not an array: the compiled loop keeps them in registers (it would
     # reload an array's after every store to the sums, which might alias it)
     constants = tuple(float(value) for value in params) + (0.0,) * (5 - len(params))
-    return _pair_forces(
-        kind, constants, edges.cutoff**2, *_arrays(edges), edges.n_owned, split,
-        edges.per_node_virials, out,
-    )  # fmt: skip
+    kernel = _pair_forces_per_node if edges.per_node_virials else _pair_forces
+    return kernel(
+        kind, constants, edges.cutoff**2, *_arrays(edges), edges.n_owned, split, out
+    )
 
 
 def emt_forces(
@@ -209,10 +209,28 @@ def _indices(values: np.ndarray) -> np.ndarray:
     return values if values.dtype in (np.int32, np.int64) else values.astype(np.int64)
 
 
+@numba.njit(cache=True, inline="always")
+def _at(index):  # pragma: no cover - compiled
+    """``index`` (never negative) as an unsigned integer.
+
+    numba tests every signed index for a negative value (to count from the end);
+    the kernels' indices never are, and that test on an edge's loads (its ends, its
+    image, their rows) took a quarter of the Lennard-Jones kernel's time.
+    """
+    return numba.uint64(index)
+
+
+@numba.njit(cache=True, inline="always")
+def _edge_ends(e, centre, neighbour):  # pragma: no cover - compiled
+    """Edge ``e``'s centre and neighbour rows (unsigned, :func:`_at`)."""
+    return _at(centre[_at(e)]), _at(neighbour[_at(e)])
+
+
 @numba.njit(cache=True, error_model="numpy", inline="always")
 def _edge(e, positions, centre, neighbour, image, offsets):  # pragma: no cover - compiled
     """Edge ``e``'s vector (Å)."""
-    i, j, m = centre[e], neighbour[e], image[e]
+    i, j = _edge_ends(e, centre, neighbour)
+    m = _at(image[_at(e)])
     return (
         positions[j, 0] - positions[i, 0] + offsets[m, 0],
         positions[j, 1] - positions[i, 1] + offsets[m, 1],
@@ -266,66 +284,44 @@ def _pair(kind, params, r2):  # pragma: no cover - compiled
 
 @numba.njit(cache=True, error_model="numpy", fastmath={"contract"})
 def _pair_forces(  # pragma: no cover - compiled
-    kind, params, cutoff2, positions, centre, neighbour, image, offsets, n_owned, split,
-    per_node_virials, out,
+    kind, params, cutoff2, positions, centre, neighbour, image, offsets, n_owned, split, out,
 ):  # fmt: skip
-    """Each listed pair's energy, forces and virial (see :func:`pair_forces`).
+    """Each listed pair's energy, forces and virial (see :func:`pair_forces`), the
+    virial summed in registers and put in node 0's columns.
 
-    In batches of :data:`PAIR_BATCH` edges, three loops: the edge vectors
-    (gathered from the positions), the pair terms (no branch, so the compiler
-    vectorises it, its division included; an edge beyond the cutoff or not
-    taken gets zeros), and the sums into the nodes (zeros added alike: a
-    branch on the cutoff, mispredicted for a fifth of the edges, cost more
-    than the additions). 32,000 argon atoms: 9.7 ms against 12.7 in one loop.
-
-    Without ``per_node_virials`` the pairs' virials are summed in registers and
-    put in node 0's columns, as :func:`_emt_pair_forces` does: twelve memory
-    updates a pair fewer (11% of a 32,000-atom Lennard-Jones evaluation here).
+    In batches of :data:`PAIR_BATCH` edges, three loops: the edge vectors and
+    the pair terms (:func:`_pair_batch`), and the sums into the nodes (zeros
+    added for an edge beyond the cutoff or not taken: a branch on the cutoff,
+    mispredicted for a fifth of the edges, cost more than the additions).
+    32,000 argon atoms: 9.7 ms against 12.7 in one loop. The virial in
+    registers, as :func:`_emt_pair_forces` does it, saves twelve memory updates
+    a pair (11 % of the evaluation); per-node virials are
+    :func:`_pair_forces_per_node`'s, a kernel of its own (a test of which, in
+    this loop, cost 12 %).
     """
     closest = np.inf
-    n_nodes = positions.shape[0]
-    # one node's sums together, as in EMT: energy, force and virial (only per node);
-    # 32 bytes a node instead of 80 without the virials, whose columns would be zero
-    # (the step's peak memory holds these sums). A node's energy is a plain sum of
-    # its pairs' halves, see :func:`_add_pair_energy_force`
-    rows = np.zeros((n_nodes, 10 if per_node_virials else 4))
-    vxx = vyy = vzz = vyz = vxz = vxy = 0.0  # the virial, when not per node
-    current = 0  # the centre whose energy and force are being summed in registers
+    # one node's sums together, as in EMT: energy and force, 32 bytes a node (the
+    # step's peak memory holds these sums). A node's energy is a plain sum of its
+    # pairs' halves, see :func:`_add_pair_energy_force`
+    rows = np.zeros((positions.shape[0], 4))
+    vxx = vyy = vzz = vyz = vxz = vxy = 0.0
+    current = _at(0)  # the centre whose energy and force are being summed in registers
     energy = fx = fy = fz = 0.0
-    vectors = np.empty((3, PAIR_BATCH))
-    squares = np.empty(PAIR_BATCH)  # squared lengths, inf for an edge not taken
-    halves = np.empty(PAIR_BATCH)  # each end's half of the pair energy
-    slopes = np.empty(PAIR_BATCH)  # dE/d(r**2)
-    both = np.empty(PAIR_BATCH, np.bool_)  # whether the edge stands for both ends
+    vectors, squares, halves, slopes, both = _batch_buffers()
     for start in range(0, centre.shape[0], PAIR_BATCH):
         n = min(PAIR_BATCH, centre.shape[0] - start)
+        closest = min(closest, _pair_batch(
+            kind, params, cutoff2, positions, centre, neighbour, image, offsets, n_owned,
+            split, start, n, vectors, squares, halves, slopes, both,
+        ))  # fmt: skip
         for k in range(n):
-            e = start + k
-            ends = _ends(centre[e], neighbour[e], n_owned, split)
-            both[k] = ends == 2
-            dx, dy, dz = _edge(e, positions, centre, neighbour, image, offsets)
-            vectors[0, k], vectors[1, k], vectors[2, k] = dx, dy, dz
-            squares[k] = dx * dx + dy * dy + dz * dz if ends != 0 else np.inf
-            closest = min(closest, squares[k])
-        for k in range(n):
-            pair, dpair = _pair(kind, params, squares[k])
-            inside = squares[k] < cutoff2
-            halves[k] = 0.5 * pair if inside else 0.0
-            slopes[k] = dpair if inside else 0.0
-        for k in range(n):
-            e = start + k
-            i, j = centre[e], neighbour[e]
+            i, j = _edge_ends(start + k, centre, neighbour)
             dx, dy, dz = vectors[0, k], vectors[1, k], vectors[2, k]
             half, dpair = halves[k], slopes[k]
             # each end's share: half the energy, the force -+ dE/dd = -+ 2 pair'(r2) d
-            # and half of the virial d ⊗ dE/dd
-            if per_node_virials:
-                _add_pair_end(rows, i, half, 2.0 * dpair, dpair, dx, dy, dz)
-                if both[k]:
-                    _add_pair_end(rows, j, half, -2.0 * dpair, dpair, dx, dy, dz)
-                continue
-            # the centre's sums stay in registers while its edges last (a list holds a
-            # centre's edges together): its row is written once, not at every edge
+            # and half of the virial d ⊗ dE/dd. The centre's sums stay in registers
+            # while its edges last (a list holds a centre's edges together): its row
+            # is written once, not at every edge
             if i != current:
                 _add_energy_force(rows, current, energy, fx, fy, fz)
                 current = i
@@ -340,10 +336,77 @@ def _pair_forces(  # pragma: no cover - compiled
             vxx, vyy, vzz, vyz, vxz, vxy = _virial_step(
                 vxx, vyy, vzz, vyz, vxz, vxy, dpair, dx, dy, dz
             )
-    if not per_node_virials:
-        _add_energy_force(rows, current, energy, fx, fy, fz)
-        _add_total_virial(out, vxx, vyy, vzz, vyz, vxz, vxy)
+    _add_energy_force(rows, current, energy, fx, fy, fz)
+    _add_total_virial(out, vxx, vyy, vzz, vyz, vxz, vxy)
     _add_node_sums(out, rows)
+    return closest
+
+
+@numba.njit(cache=True, error_model="numpy", fastmath={"contract"})
+def _pair_forces_per_node(  # pragma: no cover - compiled
+    kind, params, cutoff2, positions, centre, neighbour, image, offsets, n_owned, split, out,
+):  # fmt: skip
+    """:func:`_pair_forces` with each end's half of a pair's virial in its columns."""
+    closest = np.inf
+    rows = np.zeros((positions.shape[0], 10))  # energy, force, virial: 80 bytes a node
+    vectors, squares, halves, slopes, both = _batch_buffers()
+    for start in range(0, centre.shape[0], PAIR_BATCH):
+        n = min(PAIR_BATCH, centre.shape[0] - start)
+        closest = min(closest, _pair_batch(
+            kind, params, cutoff2, positions, centre, neighbour, image, offsets, n_owned,
+            split, start, n, vectors, squares, halves, slopes, both,
+        ))  # fmt: skip
+        for k in range(n):
+            i, j = _edge_ends(start + k, centre, neighbour)
+            dx, dy, dz = vectors[0, k], vectors[1, k], vectors[2, k]
+            half, dpair = halves[k], slopes[k]
+            _add_pair_end(rows, i, half, 2.0 * dpair, dpair, dx, dy, dz)
+            if both[k]:
+                _add_pair_end(rows, j, half, -2.0 * dpair, dpair, dx, dy, dz)
+    _add_node_sums(out, rows)
+    return closest
+
+
+@numba.njit(cache=True, inline="always")
+def _batch_buffers():  # pragma: no cover - compiled
+    """A batch of edges' vectors (Å), squared lengths (Å², ``inf`` for an edge not
+    taken), each end's half of the pair energy (eV), ``dE/d(r**2)`` (eV/Å²) and
+    whether the edge stands for both ends (:func:`_pair_batch`)."""
+    return (
+        np.empty((3, PAIR_BATCH)),
+        np.empty(PAIR_BATCH),
+        np.empty(PAIR_BATCH),
+        np.empty(PAIR_BATCH),
+        np.empty(PAIR_BATCH, np.bool_),
+    )
+
+
+@numba.njit(cache=True, error_model="numpy", inline="always")
+def _pair_batch(
+    kind, params, cutoff2, positions, centre, neighbour, image, offsets, n_owned, split,
+    start, n, vectors, squares, halves, slopes, both,
+):  # fmt: skip  # pragma: no cover - compiled
+    """The vectors and pair terms of edges ``start`` to ``start + n`` into the batch's
+    buffers (:func:`_batch_buffers`); the smallest squared length (Å²) among them.
+
+    Two loops: the edge vectors (gathered from the positions), then the pair terms
+    with no branch, so the compiler vectorises it, its division included (an edge
+    beyond the cutoff or not taken gets zeros).
+    """
+    closest = np.inf
+    for k in range(n):
+        e = start + k
+        ends = _ends(centre[_at(e)], neighbour[_at(e)], n_owned, split)
+        both[k] = ends == 2
+        dx, dy, dz = _edge(e, positions, centre, neighbour, image, offsets)
+        vectors[0, k], vectors[1, k], vectors[2, k] = dx, dy, dz
+        squares[k] = dx * dx + dy * dy + dz * dz if ends != 0 else np.inf
+        closest = min(closest, squares[k])
+    for k in range(n):
+        pair, dpair = _pair(kind, params, squares[k])
+        inside = squares[k] < cutoff2
+        halves[k] = 0.5 * pair if inside else 0.0
+        slopes[k] = dpair if inside else 0.0
     return closest
 
 
@@ -443,8 +506,6 @@ def _taken(taken_edges, e):  # pragma: no cover - compiled
 @numba.njit(cache=True, inline="always")
 def _flush_centre(sums, node, density, density_error, pair, pair_error):  # pragma: no cover
     """A centre's density and pair sums, each with its error, into its columns of ``sums``."""
-    if node < 0:
-        return
     add_compensated(sums, 0, node, density, 2)
     sums[2, node] += density_error
     add_compensated(sums, 1, node, pair, 3)
@@ -469,9 +530,9 @@ def _emt_exponents(  # pragma: no cover - compiled
     eta2_0, s0_0 = table[element, EMT_ETA2], table[element, EMT_S0]
     kappa_0 = table[element, EMT_KAPPA]
     for e in range(start, stop):
-        k = e - start
-        i, j = centre[e], neighbour[e]
-        listed = _ends(i, j, n_owned, split) != 0
+        k = _at(e - start)
+        i, j = _edge_ends(e, centre, neighbour)
+        listed = _ends(i, j, _at(n_owned), split) != 0
         dx, dy, dz = _edge(e, positions, centre, neighbour, image, offsets)
         r2 = dx * dx + dy * dy + dz * dz
         closest = min(closest, r2 if listed else np.inf)
@@ -520,11 +581,13 @@ def _emt_densities(  # pragma: no cover - compiled
     inverse_beta = 1.0 / beta
     eta2_0, kappa_0 = table[element, EMT_ETA2], table[element, EMT_KAPPA]
     halfv_0 = table[element, EMT_NEGHALFV0OVERGAMMA2]
-    current = -1  # the centre being summed in registers
+    if stop == start:
+        return taken
+    current = _at(centre[_at(start)])  # the centre being summed in registers
     density_sum = density_error = pair_sum = pair_error = 0.0
     for e in range(start, stop):
-        k = e - start
-        i, j = centre[e], neighbour[e]
+        k = _at(e - start)
+        i, j = _edge_ends(e, centre, neighbour)
         if i != current:
             _flush_centre(sums, current, density_sum, density_error, pair_sum, pair_error)
             current = i
@@ -555,15 +618,16 @@ def _emt_densities(  # pragma: no cover - compiled
         density_sum, density_error = same_sign_step(density_sum, density_error, density * w)
         pair_sum, pair_error = same_sign_step(pair_sum, pair_error, pair * w)
         inverse_r = 1.0 / r
-        terms[taken, 0] = density * (dw - eta2_j * w) * inverse_r
-        terms[taken, 1] = 0.5 * (pair * dw - dpair) * inverse_r
-        if _ends(i, j, n_owned, split) == 2:
+        row = _at(taken)
+        terms[row, 0] = density * (dw - eta2_j * w) * inverse_r
+        terms[row, 1] = 0.5 * (pair * dw - dpair) * inverse_r
+        if _ends(i, j, _at(n_owned), split) == 2:
             if zi != zj:
                 density = exponentials[4, k] / chi
             add_same_sign(sums, 0, j, density * w, 2)
             add_same_sign(sums, 1, j, pair * w, 3)
             if mixed:
-                terms[taken, 2] = density * (dw - table[zi, EMT_ETA2] * w) * inverse_r
+                terms[row, 2] = density * (dw - table[zi, EMT_ETA2] * w) * inverse_r
         taken += taken_edge
     _flush_centre(sums, current, density_sum, density_error, pair_sum, pair_error)
     return taken
@@ -618,17 +682,17 @@ def _emt_pair_forces(  # pragma: no cover - compiled
     rows = np.zeros((n_nodes, 10 if per_node_virials else 4))
     reverse = 2 if terms.shape[1] == 3 else 0  # the reverse edge's density term
     vxx = vyy = vzz = vyz = vxz = vxy = 0.0  # the virial, when not per node
-    taken = 0
+    taken = _at(0)
     for e in range(centre.shape[0]):
-        i, j = centre[e], neighbour[e]
+        i, j = _edge_ends(e, centre, neighbour)
         dx, dy, dz = _edge(e, positions, centre, neighbour, image, offsets)
         # an edge not taken reads the next one's row (or the spare) and drops it
         c = dcohesive[i] * terms[taken, 0] + terms[taken, 1]
-        if _ends(i, j, n_owned, split) == 2:
+        if _ends(i, j, _at(n_owned), split) == 2:
             c += dcohesive[j] * terms[taken, reverse] + terms[taken, 1]
         taken_edge = _taken(taken_edges, e)
         c = c if taken_edge else 0.0
-        taken += taken_edge
+        taken += _at(taken_edge)
         rows[i, 1] += c * dx
         rows[i, 2] += c * dy
         rows[i, 3] += c * dz
