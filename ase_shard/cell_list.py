@@ -15,6 +15,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from ase_shard.compiled import unsigned
+
 # Bins per point at most: more bins than points only adds empty bins to visit.
 BINS_PER_POINT = 4
 
@@ -234,12 +236,13 @@ def _sweep(
                 if written + (q1 - q0) > capacity:
                     return found, qi  # this centre again, in more room
                 for q in range(q0, q1):
-                    dx = sorted_points[q, 0] - x
-                    dy = sorted_points[q, 1] - y
-                    dz = sorted_points[q, 2] - z
+                    uq, uw = unsigned(q), unsigned(written)  # (see there)
+                    dx = sorted_points[uq, 0] - x
+                    dy = sorted_points[uq, 1] - y
+                    dz = sorted_points[uq, 2] - z
                     keep = (dx * dx + dy * dy + dz * dz < cutoff2) & (q != qi)
-                    pairs[0, written] = i
-                    pairs[1, written] = order[q]
-                    written += keep & (nodes[q] >= i) if once else keep
+                    pairs[0, uw] = i
+                    pairs[1, uw] = order[uq]
+                    written += keep & (nodes[uq] >= i) if once else keep
         found = written
     return found, n

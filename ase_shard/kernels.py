@@ -48,6 +48,7 @@ import math
 import numba
 import numpy as np
 
+from ase_shard.compiled import unsigned
 from ase_shard.graph import EdgeList
 from ase_shard.summation import (
     add_compensated,
@@ -210,27 +211,16 @@ def _indices(values: np.ndarray) -> np.ndarray:
 
 
 @numba.njit(cache=True, inline="always")
-def _at(index):  # pragma: no cover - compiled
-    """``index`` (never negative) as an unsigned integer.
-
-    numba tests every signed index for a negative value (to count from the end);
-    the kernels' indices never are, and that test on an edge's loads (its ends, its
-    image, their rows) took a quarter of the Lennard-Jones kernel's time.
-    """
-    return numba.uint64(index)
-
-
-@numba.njit(cache=True, inline="always")
 def _edge_ends(e, centre, neighbour):  # pragma: no cover - compiled
-    """Edge ``e``'s centre and neighbour rows (unsigned, :func:`_at`)."""
-    return _at(centre[_at(e)]), _at(neighbour[_at(e)])
+    """Edge ``e``'s centre and neighbour rows (:func:`ase_shard.compiled.unsigned`)."""
+    return unsigned(centre[unsigned(e)]), unsigned(neighbour[unsigned(e)])
 
 
 @numba.njit(cache=True, error_model="numpy", inline="always")
 def _edge(e, positions, centre, neighbour, image, offsets):  # pragma: no cover - compiled
     """Edge ``e``'s vector (Å)."""
     i, j = _edge_ends(e, centre, neighbour)
-    m = _at(image[_at(e)])
+    m = unsigned(image[unsigned(e)])
     return (
         positions[j, 0] - positions[i, 0] + offsets[m, 0],
         positions[j, 1] - positions[i, 1] + offsets[m, 1],
@@ -305,7 +295,7 @@ def _pair_forces(  # pragma: no cover - compiled
     # pairs' halves, see :func:`_add_pair_energy_force`
     rows = np.zeros((positions.shape[0], 4))
     vxx = vyy = vzz = vyz = vxz = vxy = 0.0
-    current = _at(0)  # the centre whose energy and force are being summed in registers
+    current = unsigned(0)  # the centre whose energy and force are summed in registers
     energy = fx = fy = fz = 0.0
     vectors, squares, halves, slopes, both = _batch_buffers()
     for start in range(0, centre.shape[0], PAIR_BATCH):
@@ -396,7 +386,7 @@ def _pair_batch(
     closest = np.inf
     for k in range(n):
         e = start + k
-        ends = _ends(centre[_at(e)], neighbour[_at(e)], n_owned, split)
+        ends = _ends(centre[unsigned(e)], neighbour[unsigned(e)], n_owned, split)
         both[k] = ends == 2
         dx, dy, dz = _edge(e, positions, centre, neighbour, image, offsets)
         vectors[0, k], vectors[1, k], vectors[2, k] = dx, dy, dz
@@ -530,9 +520,9 @@ def _emt_exponents(  # pragma: no cover - compiled
     eta2_0, s0_0 = table[element, EMT_ETA2], table[element, EMT_S0]
     kappa_0 = table[element, EMT_KAPPA]
     for e in range(start, stop):
-        k = _at(e - start)
+        k = unsigned(e - start)
         i, j = _edge_ends(e, centre, neighbour)
-        listed = _ends(i, j, _at(n_owned), split) != 0
+        listed = _ends(i, j, unsigned(n_owned), split) != 0
         dx, dy, dz = _edge(e, positions, centre, neighbour, image, offsets)
         r2 = dx * dx + dy * dy + dz * dz
         closest = min(closest, r2 if listed else np.inf)
@@ -583,10 +573,10 @@ def _emt_densities(  # pragma: no cover - compiled
     halfv_0 = table[element, EMT_NEGHALFV0OVERGAMMA2]
     if stop == start:
         return taken
-    current = _at(centre[_at(start)])  # the centre being summed in registers
+    current = unsigned(centre[unsigned(start)])  # the centre being summed in registers
     density_sum = density_error = pair_sum = pair_error = 0.0
     for e in range(start, stop):
-        k = _at(e - start)
+        k = unsigned(e - start)
         i, j = _edge_ends(e, centre, neighbour)
         if i != current:
             _flush_centre(sums, current, density_sum, density_error, pair_sum, pair_error)
@@ -618,10 +608,10 @@ def _emt_densities(  # pragma: no cover - compiled
         density_sum, density_error = same_sign_step(density_sum, density_error, density * w)
         pair_sum, pair_error = same_sign_step(pair_sum, pair_error, pair * w)
         inverse_r = 1.0 / r
-        row = _at(taken)
+        row = unsigned(taken)
         terms[row, 0] = density * (dw - eta2_j * w) * inverse_r
         terms[row, 1] = 0.5 * (pair * dw - dpair) * inverse_r
-        if _ends(i, j, _at(n_owned), split) == 2:
+        if _ends(i, j, unsigned(n_owned), split) == 2:
             if zi != zj:
                 density = exponentials[4, k] / chi
             add_same_sign(sums, 0, j, density * w, 2)
@@ -682,17 +672,17 @@ def _emt_pair_forces(  # pragma: no cover - compiled
     rows = np.zeros((n_nodes, 10 if per_node_virials else 4))
     reverse = 2 if terms.shape[1] == 3 else 0  # the reverse edge's density term
     vxx = vyy = vzz = vyz = vxz = vxy = 0.0  # the virial, when not per node
-    taken = _at(0)
+    taken = unsigned(0)
     for e in range(centre.shape[0]):
         i, j = _edge_ends(e, centre, neighbour)
         dx, dy, dz = _edge(e, positions, centre, neighbour, image, offsets)
         # an edge not taken reads the next one's row (or the spare) and drops it
         c = dcohesive[i] * terms[taken, 0] + terms[taken, 1]
-        if _ends(i, j, _at(n_owned), split) == 2:
+        if _ends(i, j, unsigned(n_owned), split) == 2:
             c += dcohesive[j] * terms[taken, reverse] + terms[taken, 1]
         taken_edge = _taken(taken_edges, e)
         c = c if taken_edge else 0.0
-        taken += _at(taken_edge)
+        taken += unsigned(taken_edge)
         rows[i, 1] += c * dx
         rows[i, 2] += c * dy
         rows[i, 3] += c * dz
