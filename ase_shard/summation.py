@@ -20,6 +20,7 @@ rounded, so the total is the same bits for every order of ranks).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numba
 import numpy as np
@@ -74,30 +75,38 @@ def add_same_sign(sums, row, node, value, error_row):  # pragma: no cover - comp
 
 
 @numba.njit(cache=True)
-def _row_sums(columns, out):  # pragma: no cover - compiled
-    for k in range(columns.shape[0]):
+def _row_sums(columns, rows, out):  # pragma: no cover - compiled
+    for k in range(len(rows)):
         total, error = 0.0, 0.0
-        for value in columns[k]:
-            total, error = compensated_step(total, error, value)
+        for value in columns[rows[k]]:
+            # adding a zero changes neither number: a compare, not six operations, for
+            # the zeros (the virial rows of a kernel that sums its virial in registers
+            # are zero but for one node)
+            if value != 0.0:
+                total, error = compensated_step(total, error, value)
         out[k, 0] = total
         out[k, 1] = error
 
 
-def compensated_row_sums(columns: np.ndarray) -> np.ndarray:
+def compensated_row_sums(columns: np.ndarray, rows: Sequence[int] | None = None) -> np.ndarray:
     """Each row's sum as an unevaluated pair ``(sum, error)``.
 
     Parameters
     ----------
     columns : (k, n) float64 array
+    rows : sequence of int, optional
+        The rows to sum, in this order (all by default): no copy of them is made.
 
     Returns
     -------
-    (k, 2) float64 array
+    (len(rows), 2) float64 array
         ``sum + error`` is the row's sum to about twice float64's precision;
         pass the pairs of every rank to :func:`exact_total`.
     """
-    out = np.empty((columns.shape[0], 2))
-    _row_sums(np.ascontiguousarray(columns, dtype=np.float64), out)
+    columns = np.ascontiguousarray(columns, dtype=np.float64)
+    rows = np.arange(len(columns)) if rows is None else np.asarray(rows, dtype=np.int64)
+    out = np.empty((len(rows), 2))
+    _row_sums(columns, rows, out)
     return out
 
 

@@ -27,6 +27,21 @@ def test_rows_are_summed_as_if_in_twice_the_precision() -> None:
         assert abs(row.sum() - exact) > 100 * math.ulp(exact)  # a plain sum is far off
 
 
+def test_chosen_rows_and_zeros() -> None:
+    """``rows`` picks and orders rows without a copy; zeros (skipped) change no bit."""
+    rng = np.random.default_rng(7)
+    columns = np.stack([_ill_conditioned(rng, 2000) for _ in range(3)])
+    columns[1, ::3] = 0.0
+    columns[2] = 0.0
+    columns[2, 17] = 3.5
+    chosen = compensated_row_sums(columns, [2, 0, 1])
+    np.testing.assert_array_equal(chosen, compensated_row_sums(columns[[2, 0, 1]]))
+    assert tuple(chosen[0]) == (3.5, 0.0)
+    for row, (total, error) in zip(columns[[2, 0, 1]], chosen, strict=True):
+        exact = math.fsum(row)
+        assert abs(total + error - exact) <= math.ulp(exact)
+
+
 def test_totals_do_not_depend_on_the_order_of_terms_or_ranks() -> None:
     """Split among ranks in any way and any order, the total is the correctly rounded one
     (to one unit in the last place); plain sums of the same splits differ."""

@@ -332,7 +332,7 @@ class Layout(ABC):
         and forces always travel, per-atom stresses only when asked for.
         """
         # ghosts' shares of energy (a pair taken once) and virial count towards the total
-        partial = compensated_row_sums(columns[TOTALS])[None]
+        partial = compensated_row_sums(columns, TOTALS)[None]
         wanted = [
             (name, rows)
             for name, rows in PER_ATOM
