@@ -9,6 +9,8 @@ rank's own atoms, and the ranks vote on it.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ase_shard.layouts.base import Decomposition
@@ -95,6 +97,11 @@ def displacement_reason(
         state.owned_positions if deformation is None else state.owned_positions @ deformation
     )
     stretch = 0.0 if deformation is None else strain(deformation)
+    # most steps pass on a bound, |u| <= sqrt(3) max |u_x|, two reductions without a
+    # temporary (0.02 ms for 32,000 atoms against 0.13 for the lengths)
+    bound = math.sqrt(3.0) * max(moved.max(initial=0.0), -moved.min(initial=0.0))
+    if (reach * stretch + 2.0 * bound) / (1.0 - stretch) <= skin:
+        return None
     displacement = np.sqrt(np.einsum("ij,ij->i", moved, moved).max(initial=0.0))
     growth = (reach * stretch + 2.0 * displacement) / (1.0 - stretch)
     if growth > skin:

@@ -146,14 +146,17 @@ def test_decomposition_is_reused_within_the_skin() -> None:
     atoms.positions[0] += [0.6, 0.0, 0.0]
     _assert_close(results(atoms), ase_results(ase_calc, atoms, stresses=True))
     assert calc.rebuilds == 2
+    atoms.positions[1] += [0.3, 0.3, 0.3]  # 0.52 Å > skin / 2, 0.3 Å along each axis
+    _assert_close(results(atoms), ase_results(ase_calc, atoms, stresses=True))
+    assert calc.rebuilds == 3
     # a strain of the cell (as a barostat applies) changes pair distances by
     # about strain * cutoff: 2 % of 8.5 Å stays within the 1 Å skin, 20 % does not
     atoms.set_cell(atoms.cell.array * 1.02, scale_atoms=True)
     _assert_close(results(atoms), ase_results(ase_calc, atoms, stresses=True))
-    assert calc.rebuilds == 2
+    assert calc.rebuilds == 3
     atoms.set_cell(atoms.cell.array * 1.2, scale_atoms=True)
     _assert_close(results(atoms), ase_results(ase_calc, atoms, stresses=True))
-    assert calc.rebuilds == 3
+    assert calc.rebuilds == 4
 
 
 def test_ase_world_is_the_mpi_world() -> None:
