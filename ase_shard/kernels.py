@@ -79,8 +79,10 @@ LJ_SHIFTED, LJ_SMOOTH, MORSE = 0, 1, 2
 # edges a pair potential's kernel takes at a time: their vectors and terms stay in L1
 PAIR_BATCH = 1024
 # edges whose exponentials EMT's first pass takes at a time: 3 (5 for mixed elements)
-# rows of this many float64 stay in a core's L2 cache
-EXP_BATCH = 8192
+# rows of this many float64, 1.5 MiB, about a core's L2 cache; two compiled calls and
+# one of numpy's per batch (8,192 edges a batch took 8 % longer a 32,000-atom pass, in
+# the calls' own cost: each checks the types of its twenty arguments)
+EXP_BATCH = 65536
 
 
 def pair_forces(kind: int, params: np.ndarray, edges: EdgeList, out: np.ndarray) -> float:
