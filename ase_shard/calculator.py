@@ -54,7 +54,7 @@ from ase_shard.layouts import (
     Request,
     RootLayout,
 )
-from ase_shard.memory import RankShare, is_out_of_memory, out_of_memory
+from ase_shard.memory import RankShare, is_out_of_memory, out_of_memory, release_free_memory
 from ase_shard.models.sum import Sum
 from ase_shard.padding import Capacities, CompiledModel, runs_compiled
 from ase_shard.placement import checked_dtype, place_rank, placed
@@ -527,6 +527,7 @@ class ShardedCalculator(Calculator):
         """The layout's new decomposition and halo plan, then the block; the node rows."""
         self.rebuilds += 1
         self._block = None
+        release_free_memory()  # the old block's and the steps' freed memory, before the search
         layout = self.layout
         state = layout.build(atoms, request)
         with self.timer.phase("scatter"):
@@ -552,6 +553,7 @@ class ShardedCalculator(Calculator):
             return counts, [block.needed() for block in self._term_blocks()]
 
         views = self.comm.share(own_block)
+        release_free_memory()  # the search's temporaries
         state.counts = np.array([view[0] for view in views], dtype=np.int64)
         work_cuts = layout.work_cuts
         if work_cuts is not None and work_cuts.measure(state.counts[:, 5], state.counts[:, 1]):
