@@ -516,38 +516,69 @@ def _emt_exponents(  # pragma: no cover - compiled
     with ``mixed`` elements also the pair term's and the density's seen from the
     neighbour. An edge not taken gets zeros. Returns the smallest squared length
     (Å²) among the edges.
+
+    Two loops: the squared lengths (gathered from the positions), then the
+    lengths and exponents, which for one element the compiler vectorises (its
+    square roots included; in one loop, 7.4 ms of a 32,000-atom pass).
     """
-    inverse_beta = 1.0 / beta
     closest = np.inf
-    eta2_0, s0_0 = table[element, EMT_ETA2], table[element, EMT_S0]
-    kappa_0 = table[element, EMT_KAPPA]
     for e in range(start, stop):
-        k = unsigned(e - start)
         i, j = _edge_ends(e, centre, neighbour)
         listed = _ends(i, j, unsigned(n_owned), split) != 0
         dx, dy, dz = _edge(e, positions, centre, neighbour, image, offsets)
         r2 = dx * dx + dy * dy + dz * dz
         closest = min(closest, r2 if listed else np.inf)
         # every edge computed, its columns selected: no branch on the cutoff
-        taken = listed & (r2 < cutoff2)
-        r = math.sqrt(r2)
-        radii[k] = r if taken else -1.0
+        radii[unsigned(e - start)] = r2 if listed & (r2 < cutoff2) else -1.0
+    if mixed:
+        _mixed_exponents(
+            table, rc, acut, beta, numbers, centre, neighbour, start, stop, radii, exponents
+        )
+    else:
+        # in registers: the table's entries would be reloaded after every store
+        eta2, s0 = table[element, EMT_ETA2], table[element, EMT_S0]
+        kappa = table[element, EMT_KAPPA]
+        _element_exponents(rc, acut, beta, eta2, s0, kappa, stop - start, radii, exponents)
+    return closest
+
+
+@numba.njit(cache=True, error_model="numpy", fastmath={"contract"}, inline="always")
+def _element_exponents(
+    rc, acut, beta, eta2, s0, kappa, n, radii, exponents
+):  # pragma: no cover - compiled
+    """:func:`_emt_exponents`' second loop, one element: ``radii`` squared in, lengths out."""
+    inverse_beta = 1.0 / beta
+    for k in range(n):
+        taken = radii[k] >= 0.0
+        r = math.sqrt(radii[k]) if taken else -1.0
+        radii[k] = r
         exponents[0, k] = acut * (r - rc) if taken else 0.0
-        if mixed:
-            zi, zj = numbers[i], numbers[j]
-            eta2, s0, kappa = table[zj, EMT_ETA2], table[zj, EMT_S0], table[zj, EMT_KAPPA]
-        else:  # in registers: the table's entries are reloaded after every store
-            eta2, s0, kappa = eta2_0, s0_0, kappa_0
         exponents[1, k] = -eta2 * (r - beta * s0) if taken else 0.0
         exponents[2, k] = -kappa * (r * inverse_beta - s0) if taken else 0.0
-        if mixed:
-            exponents[3, k] = (
-                -table[zi, EMT_KAPPA] * (r * inverse_beta - table[zi, EMT_S0]) if taken else 0.0
-            )
-            exponents[4, k] = (
-                -table[zi, EMT_ETA2] * (r - beta * table[zi, EMT_S0]) if taken else 0.0
-            )
-    return closest
+
+
+@numba.njit(cache=True, error_model="numpy", fastmath={"contract"}, inline="always")
+def _mixed_exponents(
+    table, rc, acut, beta, numbers, centre, neighbour, start, stop, radii, exponents
+):  # pragma: no cover - compiled
+    """:func:`_emt_exponents`' second loop, mixed elements (each end's parameters)."""
+    inverse_beta = 1.0 / beta
+    for e in range(start, stop):
+        k = unsigned(e - start)
+        i, j = _edge_ends(e, centre, neighbour)
+        zi, zj = numbers[i], numbers[j]
+        taken = radii[k] >= 0.0
+        r = math.sqrt(radii[k]) if taken else -1.0
+        radii[k] = r
+        exponents[0, k] = acut * (r - rc) if taken else 0.0
+        exponents[1, k] = -table[zj, EMT_ETA2] * (r - beta * table[zj, EMT_S0]) if taken else 0.0
+        exponents[2, k] = (
+            -table[zj, EMT_KAPPA] * (r * inverse_beta - table[zj, EMT_S0]) if taken else 0.0
+        )
+        exponents[3, k] = (
+            -table[zi, EMT_KAPPA] * (r * inverse_beta - table[zi, EMT_S0]) if taken else 0.0
+        )
+        exponents[4, k] = -table[zi, EMT_ETA2] * (r - beta * table[zi, EMT_S0]) if taken else 0.0
 
 
 @numba.njit(cache=True, error_model="numpy", fastmath={"contract"})
