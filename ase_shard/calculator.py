@@ -527,7 +527,6 @@ class ShardedCalculator(Calculator):
         """The layout's new decomposition and halo plan, then the block; the node rows."""
         self.rebuilds += 1
         self._block = None
-        release_free_memory()  # the old block's and the steps' freed memory, before the search
         layout = self.layout
         state = layout.build(atoms, request)
         with self.timer.phase("scatter"):
