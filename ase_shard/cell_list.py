@@ -101,7 +101,7 @@ def _shrunk(buffer: np.ndarray, capacity: int, found: int) -> np.ndarray:
     lives (256,000 Ar atoms at 9 Å: 19 MiB).
     """
     _move_down(buffer, capacity, found)
-    buffer.resize(2 * found, refcheck=False)  # its one view is gone (checked: a copy)
+    buffer.resize(2 * found, refcheck=False)  # safe: the caller dropped its one view
     return buffer.reshape(2, found)
 
 

@@ -80,7 +80,6 @@ def peak_memory() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
-
 def release_free_memory() -> bool:
     """Give the C heap's free pages back to the system (glibc's ``malloc_trim``).
 
