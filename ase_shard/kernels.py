@@ -549,12 +549,10 @@ def _element_exponents(
     """:func:`_emt_exponents`' second loop, one element: ``radii`` squared in, lengths out."""
     inverse_beta = 1.0 / beta
     for k in range(n):
-        taken = radii[k] >= 0.0
-        r = math.sqrt(radii[k]) if taken else -1.0
-        radii[k] = r
+        r, taken = _length(radii, k)
         exponents[0, k] = acut * (r - rc) if taken else 0.0
-        exponents[1, k] = -eta2 * (r - beta * s0) if taken else 0.0
-        exponents[2, k] = -kappa * (r * inverse_beta - s0) if taken else 0.0
+        density, pair = _exponents(r, taken, beta, inverse_beta, eta2, s0, kappa)
+        exponents[1, k], exponents[2, k] = density, pair
 
 
 @numba.njit(cache=True, error_model="numpy", fastmath={"contract"}, inline="always")
@@ -567,18 +565,34 @@ def _mixed_exponents(
         k = unsigned(e - start)
         i, j = _edge_ends(e, centre, neighbour)
         zi, zj = numbers[i], numbers[j]
-        taken = radii[k] >= 0.0
-        r = math.sqrt(radii[k]) if taken else -1.0
-        radii[k] = r
+        r, taken = _length(radii, k)
         exponents[0, k] = acut * (r - rc) if taken else 0.0
-        exponents[1, k] = -table[zj, EMT_ETA2] * (r - beta * table[zj, EMT_S0]) if taken else 0.0
-        exponents[2, k] = (
-            -table[zj, EMT_KAPPA] * (r * inverse_beta - table[zj, EMT_S0]) if taken else 0.0
-        )
-        exponents[3, k] = (
-            -table[zi, EMT_KAPPA] * (r * inverse_beta - table[zi, EMT_S0]) if taken else 0.0
-        )
-        exponents[4, k] = -table[zi, EMT_ETA2] * (r - beta * table[zi, EMT_S0]) if taken else 0.0
+        exponents[1, k], exponents[2, k] = _exponents(
+            r, taken, beta, inverse_beta, table[zj, EMT_ETA2], table[zj, EMT_S0],
+            table[zj, EMT_KAPPA],
+        )  # fmt: skip
+        exponents[4, k], exponents[3, k] = _exponents(
+            r, taken, beta, inverse_beta, table[zi, EMT_ETA2], table[zi, EMT_S0],
+            table[zi, EMT_KAPPA],
+        )  # fmt: skip
+
+
+@numba.njit(cache=True, error_model="numpy", inline="always")
+def _length(radii, k):  # pragma: no cover - compiled
+    """Edge ``k``'s length (Å) from its square in ``radii`` (-1 if not taken), written back
+    over it, and whether it is taken."""
+    taken = radii[k] >= 0.0
+    r = math.sqrt(radii[k]) if taken else -1.0
+    radii[k] = r
+    return r, taken
+
+
+@numba.njit(cache=True, error_model="numpy", fastmath={"contract"}, inline="always")
+def _exponents(r, taken, beta, inverse_beta, eta2, s0, kappa):  # pragma: no cover - compiled
+    """The exponents of an element's density and pair terms at ``r`` (zeros if not taken)."""
+    density = -eta2 * (r - beta * s0) if taken else 0.0
+    pair = -kappa * (r * inverse_beta - s0) if taken else 0.0
+    return density, pair
 
 
 @numba.njit(cache=True, error_model="numpy", fastmath={"contract"})
