@@ -388,7 +388,8 @@ def _pair_batch(
     closest = np.inf
     for k in range(n):
         e = start + k
-        ends = _ends(centre[unsigned(e)], neighbour[unsigned(e)], n_owned, split)
+        i, j = _edge_ends(e, centre, neighbour)
+        ends = _ends(i, j, unsigned(n_owned), split)
         both[k] = ends == 2
         dx, dy, dz = _edge(e, positions, centre, neighbour, image, offsets)
         vectors[0, k], vectors[1, k], vectors[2, k] = dx, dy, dz
