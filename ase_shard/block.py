@@ -27,7 +27,6 @@ from ase_shard.graph import (
 from ase_shard.halo import RankRows
 from ase_shard.neighbors import neighbor_pairs
 from ase_shard.padding import Capacities, pad_graph
-from ase_shard.partition import grouped_order
 from ase_shard.timing import PhaseTimer
 
 # Rows of the per-node result: energy, force (3), virial Voigt (6).
@@ -159,31 +158,6 @@ def kept_edges_on_device(keep: torch.Tensor, last: torch.Tensor) -> tuple[torch.
     return torch.nonzero_static(keep, size=kept[-1]).squeeze(1), kept
 
 
-def centre_takes_pair(centre_ids: np.ndarray, neighbour_ids: np.ndarray) -> np.ndarray:
-    """Whether the rank of each edge's centre evaluates its pair, the two atoms owned apart.
-
-    Exactly one of ``centre_takes_pair(a, b)`` and ``centre_takes_pair(b, a)``
-    is true for ``a != b``, so one of the two ranks takes the pair. A hash of
-    the pair, not the atoms' order, decides which: each rank takes about half
-    of the pairs it shares with another, however the atoms are numbered.
-
-    Parameters
-    ----------
-    centre_ids, neighbour_ids : (E,) int arrays
-        Global atom indices of the edges' ends.
-
-    Returns
-    -------
-    (E,) bool array
-    """
-    low = np.minimum(centre_ids, neighbour_ids).astype(np.uint64)
-    high = np.maximum(centre_ids, neighbour_ids).astype(np.uint64)
-    # unsigned products wrap around modulo 2**64, alike on every rank
-    mixed = (low * np.uint64(0x9E3779B97F4A7C15)) ^ (high * np.uint64(0xC2B2AE3D27D4EB4F))
-    mixed = (mixed ^ (mixed >> np.uint64(29))) * np.uint64(0xBF58476D1CE4E5B9)
-    return ((mixed >> np.uint64(32)) & np.uint64(1)).astype(bool) == (centre_ids < neighbour_ids)
-
-
 # Rows per gather of rows_to_nodes on the host: its scratch stays in cache.
 NODES_CHUNK = 1 << 16
 
@@ -206,13 +180,14 @@ def rows_to_nodes(rows: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
 def edge_images(
     n_edges: int, shifted: np.ndarray, shifts: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Each edge's periodic image as a row of a small table of image shifts.
+    """Each edge's (or row's) periodic image as a row of a small table of image shifts.
 
     Parameters
     ----------
     n_edges : int
     shifted : (S,) int64 array
-        The edges whose neighbour sits at a periodic image of its node.
+        The edges whose neighbour sits at a periodic image of its node (or the
+        rows that are another image of their node).
     shifts : (S, 3) float64 array
         Their image shifts in cells.
 
@@ -279,7 +254,7 @@ class LocalBlock:
         Given on every rank when every rank evaluates on the host (several
         ranks), else on none: with it a model that declares ``newton_pair``
         and sums its own forces here evaluates a pair between two ranks on
-        one of them (:func:`centre_takes_pair`), exchanging per-node sums
+        one of them (:func:`ase_shard.shared_pairs.centre_takes_pair`), exchanging per-node sums
         through it (:attr:`ase_shard.graph.EdgeList.halo`); a two-stage model
         that sums its own forces does so with the per-layer halo (``exchange``)
         only with it or on one rank, as its exchanges are then the host's.
@@ -382,8 +357,7 @@ class LocalBlock:
                 dtype=torch.int32 if host32 else torch.int64,
             )
             if newton_pair and self._halo is not None:
-                kept = self._pairs_once(centre, node[row])
-                centre, row = centre[kept], row[kept]
+                centre, row = self._pairs_once(centre, row, node)
             # the edges within the cutoff at a step are counted per hop level
             # (what ends each level); one level when all are centred on owned nodes
             ends = [centre.shape[0]]
@@ -395,46 +369,48 @@ class LocalBlock:
             self._level_ends = np.asarray(ends, dtype=np.int64)
             self._level_last = torch.as_tensor(self._level_ends - 1, device=self.device)
             self.centre = centre
-            # cells between the neighbour's row and its node, kept for the few edges
-            # that cross to a periodic image (24 bytes an edge for all would add up):
-            # those to a folded row, another image of its node than the node's own
-            shifted = (row >= self.n_nodes).nonzero().squeeze(1)
-            shifted_rows = row[shifted]
-            self.neighbour = rows_to_nodes(row, node)
-            shift = image_shift[shifted_rows] - image_shift[self.neighbour[shifted]]
-            # the shifted edges and their shifts in cells (torch's path), or each edge's
-            # row of a small table of shifts (the kernels'; 2 bytes an edge instead of
-            # 56 a shifted edge, a few per cent of them, with their offsets)
+            # torch's path keeps the edges that cross to a periodic image (to a folded
+            # row, another image of its node than the node's own) and their shifts in
+            # cells: a few per cent of the edges (24 bytes an edge for all would add
+            # up); the kernels' path, each edge's row of a small table of shifts (a
+            # byte an edge, no offsets)
             self.shifted_edges: torch.Tensor | None = None
             self.edge_shift: torch.Tensor | None = None
             self._images: tuple[np.ndarray, np.ndarray] | None = None
             if self._direct is None:
-                self.shifted_edges, self.edge_shift = shifted, shift
+                shifted = (row >= self.n_nodes).nonzero().squeeze(1)
+                shifted_rows = row[shifted]
+                self.neighbour = rows_to_nodes(row, node)
+                self.shifted_edges = shifted
+                self.edge_shift = image_shift[shifted_rows] - image_shift[self.neighbour[shifted]]
             else:
-                self._images = edge_images(centre.shape[0], shifted.numpy(), shift.numpy())
+                # the shifts found per folded row (tens of thousands), then read per
+                # edge: 32,000 Ar atoms on one rank, 90,000 of 1,010,000 edges shifted,
+                # 3 ms a rebuild against 10 per edge
+                folded = np.arange(self.n_nodes, node.shape[0])
+                shift = image_shift[self.n_nodes :] - image_shift[node[self.n_nodes :]]
+                row_image, table = edge_images(node.shape[0], folded, shift.numpy())
+                image = row_image[row.numpy()]
+                self.neighbour = rows_to_nodes(row, node)
+                self._images = (image, table)
 
-    def _pairs_once(self, centre: torch.Tensor, neighbour: torch.Tensor) -> torch.Tensor:
+    def _pairs_once(
+        self, centre: torch.Tensor, rows: torch.Tensor, node: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The edges a ``newton_pair`` model evaluates with a pair halo, in their order.
 
         The search has already left, of a pair of owned nodes, the edge from the
         lower one only (``once_by``); without a pair halo its list is the one
-        evaluated. With one, the edges to ghosts whose pair this rank takes
-        (:func:`centre_takes_pair`; the other rank lists the same pair and
-        leaves it) come first, grouped by ghost, then the edges between owned
-        nodes in their order.
-
-        The kernel adds to a ghost's sums at each of its edges: grouped, those
-        additions reach the same memory one after another instead of
-        scattering over all ghosts (bulk Cu on two ranks, EMT, 47,000 of
-        688,000 edges to ghosts: about 1 ms of a 60 ms step).
+        evaluated. With one, of the edges to ghosts those whose pair this rank
+        takes (the other rank lists the same pair and leaves it), grouped by
+        ghost, then the edges between owned nodes
+        (:func:`ase_shard.shared_pairs.pairs_once`; on the host only, as the
+        kernels that take pairs once).
         """
-        ghost = (neighbour >= self.n_owned).nonzero().squeeze(1)
-        ends = self.ids[centre[ghost].numpy()], self.ids[neighbour[ghost].numpy()]
-        taken = ghost[torch.from_numpy(centre_takes_pair(*ends))]
-        ghosts = neighbour[taken].numpy() - self.n_owned
-        taken = taken[torch.from_numpy(grouped_order(ghosts, self.n_nodes - self.n_owned))]
-        keep = neighbour < self.n_owned  # the edges between owned nodes, in their order
-        return torch.cat([taken, keep.nonzero().squeeze(1)])
+        from ase_shard.shared_pairs import pairs_once
+
+        kept = pairs_once(centre.numpy(), rows.numpy(), node.numpy(), self.ids, self.n_owned)
+        return torch.from_numpy(kept[0]), torch.from_numpy(kept[1])
 
     def _count_hops(
         self, centre: torch.Tensor, neighbour: torch.Tensor, depth: int

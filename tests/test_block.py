@@ -16,7 +16,7 @@ from ase.build import bulk
 from sync_count import Autograd, rank_blocks
 
 from ase_shard import block as block_module
-from ase_shard.block import centre_takes_pair, edge_images, rows_to_nodes, sum_edge_gradients
+from ase_shard.block import edge_images, rows_to_nodes, sum_edge_gradients
 from ase_shard.models import EMT
 
 VOIGT = [(0, 0), (1, 1), (2, 2), (1, 2), (0, 2), (0, 1)]
@@ -58,21 +58,6 @@ def test_sum_edge_gradients_without_edges() -> None:
     index = torch.zeros(0, dtype=torch.int64)
     got = sum_edge_gradients(index, index, empty, empty, 3)
     assert got.shape == (3, 9) and not got.any()
-
-
-def test_centre_takes_pair_once_and_evenly() -> None:
-    """One of the two ends' ranks takes each pair, about half the pairs each, also for
-    atoms numbered like a crystal (ids that differ by the same offsets across a boundary)."""
-    rng = np.random.default_rng(3)
-    a = rng.integers(0, 10**7, 20_000)
-    b = rng.integers(0, 10**7, 20_000)
-    a, b = a[a != b], b[a != b]
-    assert (centre_takes_pair(a, b) != centre_takes_pair(b, a)).all()
-    assert 0.47 < centre_takes_pair(a, b).mean() < 0.53
-    low = np.arange(5_000)
-    for offset in (1, 2, 3, 4, 5, 80, 1600, 31_999):
-        share = centre_takes_pair(low, low + offset).mean()
-        assert 0.45 < share < 0.55, (offset, share)
 
 
 class _PairHalo:
