@@ -284,12 +284,13 @@ class Layout(ABC):
 
     @abstractmethod
     def collect(self, partial: np.ndarray, owned: np.ndarray) -> tuple[Any, Any]:
-        """Where the results go: ``(every rank's partial sums, per-atom rows)`` on the
-        ranks that hold the ``Atoms``, the rows in the order of the atoms they hold
-        (collective).
+        """Where the results go: ``(every rank's partial sums, per-atom columns)`` on
+        the ranks that hold the ``Atoms``, a column per atom they hold, in their
+        order (collective).
 
         ``partial`` is this rank's ``(1, 7, 2)`` compensated sums of energy and
-        virial; ``owned`` its owned atoms' ``(n_owned, k)`` per-atom results.
+        virial; ``owned`` its owned atoms' ``(k, n_owned)`` per-atom results, a
+        view of the block's columns (read before the next evaluation).
         """
 
     def _collected(
@@ -300,10 +301,11 @@ class Layout(ABC):
         gathered_row: np.ndarray | None,
     ) -> tuple[Any, Any]:
         """:meth:`collect` by ``send`` (``Comm.allgather_rows``: to every rank;
-        ``Comm.gather_rows``: to rank 0), the rows put back in atom order."""
+        ``Comm.gather_rows``: to rank 0), an atom's results a row on the way, put
+        back in atom order."""
         totals = send(partial, np.ones(self.comm.size, dtype=np.int64))
-        values = send(owned, self.state.counts[:, 1])
-        return totals, None if values is None else in_order(values, gathered_row)
+        values = send(np.ascontiguousarray(owned.T), self.state.counts[:, 1])
+        return totals, None if values is None else in_order(values, gathered_row).T
 
     def decomposition(self) -> DecompositionView | None:
         """The decomposition as a user inspects it; ``None`` where the owners are not
@@ -338,19 +340,20 @@ class Layout(ABC):
             for name, rows in PER_ATOM
             if name in ALWAYS or (name in request.properties and request.has_stress)
         ]
-        selected = columns[[row for _, rows in wanted for row in rows]]  # a copy: added to
-        owned = self.halo.reverse(selected)
-        totals, values = self.collect(partial, np.ascontiguousarray(owned.T))
+        # the wanted rows are the first ones: the ghosts' columns are added into the
+        # owned ones where they lie (the block writes all its columns afresh each step)
+        n_rows = sum(len(rows) for _, rows in wanted)
+        owned = self.halo.reverse(columns[:n_rows])
+        totals, values = self.collect(partial, owned)
         if atoms is None:
             return None
         totals = exact_total(totals)
         results: dict[str, Any] = {"energy": float(totals[0]), "free_energy": float(totals[0])}
         if request.has_stress:
             results["stress"] = totals[1:] / atoms.get_volume()
-        start = 0
         for name, rows in wanted:
-            result = values[:, start : start + len(rows)].copy()
-            start += len(rows)
+            # each result ASE's own: an array of its own, an atom a row, C-ordered
+            result = values[rows[0] : rows[-1] + 1].T.copy()
             if name == "stresses":
                 result /= atoms.get_volume()
             results[name] = result[:, 0] if name == "energies" else result
