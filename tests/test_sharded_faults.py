@@ -189,12 +189,12 @@ def test_out_of_memory_on_one_rank() -> None:
 
 @pytest.mark.skipif(sys.platform != "linux", reason="needs Linux's RLIMIT_AS and /proc")
 def test_out_of_memory_while_listing_edges() -> None:
-    """864 Ar atoms with a 50 Å cutoff (12 million edges, hundreds of MB), every
-    rank limited to 64 MB more than it maps: a rank cannot list its edges at the
+    """864 Ar atoms with a 70 Å cutoff (17 million pairs, 136 MB listed once as int32),
+    every rank limited to 64 MB more than it maps: a rank cannot list its edges at the
     rebuild (which ones depends on their ghosts), and every rank raises the same
     OutOfMemory, naming the first that failed, before any evaluates."""
     atoms = bulk("Ar", "fcc", a=5.26, cubic=True).repeat(6)
-    atoms.calc = ShardedCalculator(LennardJones(sigma=3.4, epsilon=0.0104, rc=50.0))
+    atoms.calc = ShardedCalculator(LennardJones(sigma=3.4, epsilon=0.0104, rc=70.0))
     pattern = (
         r"out of memory listing its edges, holding \d+ owned atoms and \d+ ghosts "
         r"\(peak resident memory \d+ MiB\): .*(Unable to allocate|can't allocate memory)"
