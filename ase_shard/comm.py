@@ -540,15 +540,27 @@ def node_local_rank() -> tuple[int | None, int]:
     return None, 1
 
 
+# seconds a waiting rank calls ``test()`` back to back before it starts to sleep
+SPIN = 1e-4
+
+
 def _poll(test: Any, timeout: float | None) -> bool:
     """Call ``test()`` until it is true (then ``True``) or ``timeout`` s pass (``False``).
 
     Sleeps between polls instead of spinning in MPI, so waiting ranks leave
-    the cores to the ranks still working.
+    the cores to the ranks still working; but first polls without a pause for
+    :data:`SPIN` s. A non-blocking collective moves on only inside ``test()``,
+    in a few rounds of messages, and the shortest sleep lasts 60-80 µs (the
+    kernel's timer slack on Linux): sleeping from the first poll cost every
+    collective ~0.2 ms where the ranks arrive together, as they do at each MD
+    step's vote (32,000 Ar atoms on 2 ranks: 0.4 ms of a 6.5 ms step).
     """
     start, pause = time.monotonic(), 1e-6
     while not test():
-        if timeout is not None and time.monotonic() - start > timeout:
+        waited = time.monotonic() - start
+        if waited < SPIN:
+            continue
+        if timeout is not None and waited > timeout:
             return False
         time.sleep(pause)
         # quick when they are close, cheap when not; the cap bounds how late a rank
