@@ -65,7 +65,7 @@ def pairs_once(
     -------
     centre, rows : (K,) arrays of the input's type
         The kept edges. Two passes over the list, no temporary per edge (32,000
-        Ar atoms on two ranks: 2 ms a rebuild against 20 with torch's masks and
+        Ar atoms on two ranks: 3 ms a rebuild against 20 with torch's masks and
         gathers).
     """
     n_ghosts = int(ids.shape[0]) - n_owned
