@@ -552,8 +552,9 @@ def _element_exponents(
     for k in range(n):
         r, taken = _length(radii, k)
         exponents[0, k] = acut * (r - rc) if taken else 0.0
-        density, pair = _exponents(r, taken, beta, inverse_beta, eta2, s0, kappa)
-        exponents[1, k], exponents[2, k] = density, pair
+        exponents[1, k], exponents[2, k] = _exponents(
+            r, taken, beta, inverse_beta, eta2, s0, kappa
+        )
 
 
 @numba.njit(cache=True, error_model="numpy", fastmath={"contract"}, inline="always")

@@ -68,10 +68,9 @@ def pairs_once(
         Ar atoms on two ranks: 3 ms a rebuild against 20 with torch's masks and
         gathers).
     """
-    n_ghosts = int(ids.shape[0]) - n_owned
     return _pairs_once(
         centre, rows, np.ascontiguousarray(node, dtype=np.int64),
-        np.ascontiguousarray(ids, dtype=np.int64), n_owned, max(n_ghosts, 0),
+        np.ascontiguousarray(ids, dtype=np.int64), n_owned, len(ids) - n_owned,
     )  # fmt: skip
 
 
