@@ -377,6 +377,7 @@ class LocalBlock:
             self.shifted_edges: torch.Tensor | None = None
             self.edge_shift: torch.Tensor | None = None
             self._images: tuple[np.ndarray, np.ndarray] | None = None
+            self._plain = range(0)  # EdgeList.plain
             if self._direct is None:
                 shifted = (row >= self.n_nodes).nonzero().squeeze(1)
                 shifted_rows = row[shifted]
@@ -385,15 +386,24 @@ class LocalBlock:
                 self.edge_shift = image_shift[shifted_rows] - image_shift[self.neighbour[shifted]]
             else:
                 # the shifts found per folded row (tens of thousands), then read per
-                # edge (np.take: half the time of indexing): 32,000 Ar atoms on one
-                # rank, 90,000 of 1,010,000 edges shifted, 2.3 ms a rebuild against 8
-                # found per shifted edge
+                # edge: 32,000 Ar atoms on one rank, 90,000 of 1,010,000 edges
+                # shifted, 2.3 ms a rebuild against 8 found per shifted edge. torch's
+                # index_select reads the int32 rows as they are (numpy's take and
+                # indexing copy them to int64 first: 8 bytes an edge at the peak)
                 folded = np.arange(self.n_nodes, node.shape[0])
                 shift = image_shift[self.n_nodes :] - image_shift[node[self.n_nodes :]]
                 row_image, table = edge_images(node.shape[0], folded, shift.numpy())
-                image = np.take(row_image, row.numpy())
+                image = torch.index_select(torch.from_numpy(row_image), 0, row).numpy()
                 self.neighbour = rows_to_nodes(row, node)
                 self._images = (image, table)
+                if self._hops is None:  # (hop levels keep their order)
+                    # the kernels leave the offsets of the plain edges out
+                    from ase_shard.kernels import plain_edges_together
+
+                    self._plain = plain_edges_together(
+                        self.centre.numpy(), self.neighbour.numpy(), image, self.n_owned,
+                        ghosts_first=newton_pair and self._halo is not None,
+                    )  # fmt: skip
 
     def _pairs_once(
         self, centre: torch.Tensor, rows: torch.Tensor, node: torch.Tensor
@@ -694,6 +704,7 @@ class LocalBlock:
                 self._halo,
                 per_node_virials,
                 self.ids,
+                self._plain,
             )
             closest = self._direct.energy_forces(edges, columns)
         with self.timer.phase("reverse"):

@@ -431,6 +431,11 @@ class EdgeList:
         Each node's atom: its index in the whole system, the same on every
         rank (a term of several atoms can be taken by one rank, at its
         lowest atom). ``None``: the node indices are the atoms'.
+    plain : range
+        Edges known to have image 0 (no offset): a kernel may leave their
+        offsets out (:func:`ase_shard.kernels._segments`). A block puts most
+        of its edges there (:func:`ase_shard.kernels.plain_edges_together`);
+        empty: none known.
     """
 
     positions: np.ndarray
@@ -444,6 +449,7 @@ class EdgeList:
     halo: GhostColumns | None = None
     per_node_virials: bool = True
     ids: np.ndarray | None = None
+    plain: range = range(0)
 
 
 class GhostColumns(Protocol):

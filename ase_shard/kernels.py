@@ -111,9 +111,99 @@ def pair_forces(kind: int, params: np.ndarray, edges: EdgeList, out: np.ndarray)
     # reload an array's after every store to the sums, which might alias it)
     constants = tuple(float(value) for value in params) + (0.0,) * (5 - len(params))
     kernel = _pair_forces_per_node if edges.per_node_virials else _pair_forces
-    return kernel(
-        kind, constants, edges.cutoff**2, *_arrays(edges), edges.n_owned, split, out
-    )
+    positions, centre, neighbour, image, offsets = _arrays(edges)
+    # one node's sums together (energy and force, and its virial per node: 32 or 80
+    # bytes a node, at the step's peak memory), put in ``out`` once every segment of
+    # the list has added to them
+    rows = np.zeros((len(positions), 10 if edges.per_node_virials else 4))
+    closest = np.inf
+    for first, last, images in _segments(edges, image):
+        closest = min(closest, kernel(
+            kind, constants, edges.cutoff**2, positions, centre, neighbour, images, offsets,
+            edges.n_owned, split, first, last, rows, out,
+        ))  # fmt: skip
+    _add_node_sums(out, rows)
+    return closest
+
+
+def plain_edges_together(
+    centre: np.ndarray, neighbour: np.ndarray, image: np.ndarray, n_owned: int, ghosts_first: bool
+) -> range:
+    """A block's list reordered in place (stable) so that its plain edges (image 0) lie
+    together; where they lie (:attr:`ase_shard.graph.EdgeList.plain`).
+
+    Parameters
+    ----------
+    centre, neighbour : (E,) int32 or int64 arrays
+        The edges' nodes.
+    image : (E,) int8, int16 or int32 array
+        Their images (:func:`ase_shard.block.edge_images`).
+    n_owned : int
+    ghosts_first : bool
+        The list begins with its edges to ghosts, grouped by ghost
+        (:func:`ase_shard.shared_pairs.pairs_once`): they stay there, as they are.
+
+    Returns
+    -------
+    range
+        The plain edges: after the edges to ghosts (``ghosts_first``), the
+        plain ones, then the others. A temporary for those others only (a few
+        per cent, at the rebuild).
+    """
+    first, plain = _plain_together(centre, neighbour, image, n_owned, ghosts_first)
+    return range(first, plain)
+
+
+@numba.njit(cache=True)
+def _plain_together(centre, neighbour, image, n_owned, ghosts_first):  # pragma: no cover
+    """:func:`plain_edges_together`: the plain range's first and last edge (exclusive)."""
+    n = len(image)
+    first = 0
+    if ghosts_first:
+        while first < n and neighbour[first] >= n_owned:
+            first += 1
+    shifted = 0
+    for e in range(first, n):
+        shifted += image[e] != 0
+    held_centre = np.empty(shifted, centre.dtype)
+    held_neighbour = np.empty(shifted, neighbour.dtype)
+    held_image = np.empty(shifted, image.dtype)
+    plain = first
+    k = 0
+    for e in range(first, n):
+        if image[e] == 0:
+            centre[plain] = centre[e]
+            neighbour[plain] = neighbour[e]
+            plain += 1
+        else:
+            held_centre[k] = centre[e]
+            held_neighbour[k] = neighbour[e]
+            held_image[k] = image[e]
+            k += 1
+    centre[plain:] = held_centre
+    neighbour[plain:] = held_neighbour
+    image[first:plain] = 0
+    image[plain:] = held_image
+    return first, plain
+
+
+def _segments(edges: EdgeList, image: np.ndarray) -> list[tuple[int, int, np.ndarray | None]]:
+    """The ranges of edges a kernel walks in turn, each with the images it reads:
+    ``None`` for the list's plain edges (:attr:`EdgeList.plain`), whose kernels add
+    no offset.
+
+    Each edge's offset is a byte and a row of a small table, read at every edge
+    in the loop that gathers the edge vectors (and a dependency of its
+    vectorised gathers): 32,000 Ar atoms on one rank, 9 % of the Lennard-Jones
+    step. A kernel compiled for plain edges (``image`` None) leaves it out.
+    """
+    plain = edges.plain
+    segments = [
+        (0, plain.start, image),
+        (plain.start, plain.stop, None),
+        (plain.stop, len(image), image),
+    ]
+    return [(first, last, images) for first, last, images in segments if last > first]
 
 
 def emt_forces(
@@ -136,7 +226,8 @@ def emt_forces(
         The smallest squared length (Å²) among all listed edges (``inf`` for none).
     """
     numbers = np.ascontiguousarray(edges.numbers, dtype=np.int64)
-    arrays = _arrays(edges)
+    positions, centre, neighbour, image, offsets = _arrays(edges)
+    segments = _segments(edges, image)
     cutoff2, n_owned, halo = edges.cutoff**2, edges.n_owned, edges.halo
     split = halo is not None
     # the densities, the pair sums sigma2 (eV), and the rounding errors of both
@@ -154,7 +245,7 @@ def emt_forces(
     # takes it from there, with no branch and never a length that might round
     # otherwise than here (rows of zeros for the edges not taken instead held
     # 0.14 kB an atom more, 32,000 to 256,000 Cu atoms; a byte per edge 0.04 kB)
-    n_edges = len(arrays[1])
+    n_edges = len(centre)
     terms = np.empty((n_edges + 1, 3 if mixed else 2))
     taken_edges = np.zeros((n_edges + 7) // 8, np.uint8)
     taken = 0
@@ -164,15 +255,19 @@ def emt_forces(
     radii = np.empty(min(n_edges, EXP_BATCH))
     exponents = np.empty((5 if mixed else 3, len(radii)))
     closest = np.inf
-    for start in range(0, n_edges, EXP_BATCH):
-        stop = min(start + EXP_BATCH, n_edges)
+    batches = [
+        (start, min(start + EXP_BATCH, last), images)
+        for first, last, images in segments
+        for start in range(first, last, EXP_BATCH)
+    ]
+    for start, stop, images in batches:
         closest = min(closest, _emt_exponents(
-            table, rc, acut, beta, cutoff2, numbers, *arrays, n_owned, split, mixed, element,
-            start, stop, radii, exponents,
+            table, rc, acut, beta, cutoff2, numbers, positions, centre, neighbour, images,
+            offsets, n_owned, split, mixed, element, start, stop, radii, exponents,
         ))  # fmt: skip
         np.exp(exponents[:, : stop - start], out=exponents[:, : stop - start])
         taken = _emt_densities(
-            table, acut, beta, numbers, arrays[1], arrays[2], n_owned, split, mixed, element,
+            table, acut, beta, numbers, centre, neighbour, n_owned, split, mixed, element,
             start, stop, radii, exponents, taken, taken_edges, sums, terms,
         )  # fmt: skip
     terms[taken] = 0.0  # the spare row, read for the edges not taken after the last
@@ -186,9 +281,16 @@ def emt_forces(
     del sums  # spent: not held through the second pass, at the step's peak
     if split:
         halo.copy_owner_columns(dcohesive)
-    _emt_pair_forces(
-        *arrays, n_owned, split, taken_edges, terms, dcohesive[0], edges.per_node_virials, out
-    )
+    # one node's sums together (energy, zero here, and force; the virial too where asked
+    # per node): 32 bytes a node instead of 80, at the step's peak memory beside ``terms``
+    rows = np.zeros((len(numbers), 10 if edges.per_node_virials else 4))
+    taken = 0
+    for first, last, images in segments:
+        taken = _emt_pair_forces(
+            positions, centre, neighbour, images, offsets, n_owned, split, taken_edges, terms,
+            dcohesive[0], first, last, taken, rows, out,
+        )  # fmt: skip
+    _add_node_sums(out, rows)  # no energies here: their row is zero
     return closest
 
 
@@ -220,14 +322,16 @@ def _edge_ends(e, centre, neighbour):  # pragma: no cover - compiled
 
 @numba.njit(cache=True, error_model="numpy", inline="always")
 def _edge(e, positions, centre, neighbour, image, offsets):  # pragma: no cover - compiled
-    """Edge ``e``'s vector (Å)."""
+    """Edge ``e``'s vector (Å); ``image`` None: a plain edge, no offset (:func:`_segments`;
+    numba compiles the test away, and image 0's zero offset adds nothing: the same bits)."""
     i, j = _edge_ends(e, centre, neighbour)
+    dx = positions[j, 0] - positions[i, 0]
+    dy = positions[j, 1] - positions[i, 1]
+    dz = positions[j, 2] - positions[i, 2]
+    if image is None:
+        return dx, dy, dz
     m = unsigned(image[unsigned(e)])
-    return (
-        positions[j, 0] - positions[i, 0] + offsets[m, 0],
-        positions[j, 1] - positions[i, 1] + offsets[m, 1],
-        positions[j, 2] - positions[i, 2] + offsets[m, 2],
-    )
+    return dx + offsets[m, 0], dy + offsets[m, 1], dz + offsets[m, 2]
 
 
 @numba.njit(cache=True, error_model="numpy", inline="always")
@@ -276,10 +380,12 @@ def _pair(kind, params, r2):  # pragma: no cover - compiled
 
 @numba.njit(cache=True, error_model="numpy", fastmath={"contract"})
 def _pair_forces(  # pragma: no cover - compiled
-    kind, params, cutoff2, positions, centre, neighbour, image, offsets, n_owned, split, out,
+    kind, params, cutoff2, positions, centre, neighbour, image, offsets, n_owned, split, first,
+    last, rows, out,
 ):  # fmt: skip
-    """Each listed pair's energy, forces and virial (see :func:`pair_forces`), the
-    virial summed in registers and put in node 0's columns.
+    """Edges ``first`` to ``last``: each listed pair's energy and forces into the node-major
+    ``rows`` (energy, force: ``(n, 4)``) and its virial (see :func:`pair_forces`),
+    summed in registers and put in node 0's columns of ``out``.
 
     In batches of :data:`PAIR_BATCH` edges, three loops: the edge vectors and
     the pair terms (:func:`_pair_batch`), and the sums into the nodes (zeros
@@ -292,16 +398,13 @@ def _pair_forces(  # pragma: no cover - compiled
     this loop, cost 12 %).
     """
     closest = np.inf
-    # one node's sums together, as in EMT: energy and force, 32 bytes a node (the
-    # step's peak memory holds these sums). A node's energy is a plain sum of its
-    # pairs' halves, see :func:`_add_pair_energy_force`
-    rows = np.zeros((positions.shape[0], 4))
+    # a node's energy is a plain sum of its pairs' halves, see :func:`_add_pair_energy_force`
     vxx = vyy = vzz = vyz = vxz = vxy = 0.0
     current = unsigned(0)  # the centre whose energy and force are summed in registers
     energy = fx = fy = fz = 0.0
     vectors, squares, halves, slopes, both = _batch_buffers()
-    for start in range(0, centre.shape[0], PAIR_BATCH):
-        n = min(PAIR_BATCH, centre.shape[0] - start)
+    for start in range(first, last, PAIR_BATCH):
+        n = min(PAIR_BATCH, last - start)
         closest = min(closest, _pair_batch(
             kind, params, cutoff2, positions, centre, neighbour, image, offsets, n_owned,
             split, start, n, vectors, squares, halves, slopes, both,
@@ -330,20 +433,20 @@ def _pair_forces(  # pragma: no cover - compiled
             )
     _add_energy_force(rows, current, energy, fx, fy, fz)
     _add_total_virial(out, vxx, vyy, vzz, vyz, vxz, vxy)
-    _add_node_sums(out, rows)
     return closest
 
 
 @numba.njit(cache=True, error_model="numpy", fastmath={"contract"})
 def _pair_forces_per_node(  # pragma: no cover - compiled
-    kind, params, cutoff2, positions, centre, neighbour, image, offsets, n_owned, split, out,
+    kind, params, cutoff2, positions, centre, neighbour, image, offsets, n_owned, split, first,
+    last, rows, out,
 ):  # fmt: skip
-    """:func:`_pair_forces` with each end's half of a pair's virial in its columns."""
+    """:func:`_pair_forces` with each end's half of a pair's virial in its columns of
+    ``rows`` (energy, force, virial: ``(n, 10)``)."""
     closest = np.inf
-    rows = np.zeros((positions.shape[0], 10))  # energy, force, virial: 80 bytes a node
     vectors, squares, halves, slopes, both = _batch_buffers()
-    for start in range(0, centre.shape[0], PAIR_BATCH):
-        n = min(PAIR_BATCH, centre.shape[0] - start)
+    for start in range(first, last, PAIR_BATCH):
+        n = min(PAIR_BATCH, last - start)
         closest = min(closest, _pair_batch(
             kind, params, cutoff2, positions, centre, neighbour, image, offsets, n_owned,
             split, start, n, vectors, squares, halves, slopes, both,
@@ -355,7 +458,6 @@ def _pair_forces_per_node(  # pragma: no cover - compiled
             _add_pair_end(rows, i, half, 2.0 * dpair, dpair, dx, dy, dz)
             if both[k]:
                 _add_pair_end(rows, j, half, -2.0 * dpair, dpair, dx, dy, dz)
-    _add_node_sums(out, rows)
     return closest
 
 
@@ -699,9 +801,12 @@ def _emt_energies(table, beta, numbers, sums, n_owned, out, dcohesive):  # pragm
 @numba.njit(cache=True, error_model="numpy", fastmath={"contract"})
 def _emt_pair_forces(  # pragma: no cover - compiled
     positions, centre, neighbour, image, offsets, n_owned, split, taken_edges, terms,
-    dcohesive, per_node_virials, out,
+    dcohesive, first, last, taken, rows, out,
 ):
-    """Pass 2: forces and virials of the pairs taken in pass 1, once ``dcohesive`` is known.
+    """Pass 2, edges ``first`` to ``last``: forces and virials of the pairs taken in pass 1,
+    once ``dcohesive`` is known, into the node-major ``rows`` (``(n, 10)`` with the
+    virials per node, else ``(n, 4)``) and ``out``; ``taken``: the first of them in
+    ``terms``, the next one returned.
 
     Every edge is walked: one not taken (``taken_edges``, from pass 1) adds
     zeros (a branch on the cutoff, here as in pass 1, cost more than its
@@ -710,19 +815,15 @@ def _emt_pair_forces(  # pragma: no cover - compiled
     ``dE_i/dd = c d`` gives ``+c d`` to ``i``, ``-c d`` to ``j`` and ``c d ⊗ d``
     halved to each; a pair taken for both ends adds the reverse edge's ``c`` (its
     density term is column 2 of ``terms``, or column 0 for one element).
-    Without ``per_node_virials`` the pairs' virials are summed in registers
-    and put in node 0's columns: twelve memory updates a pair fewer (a quarter
-    of this pass on 32,000 Cu atoms), the same column sums.
+    Without the virials per node they are summed in registers and put in node
+    0's columns of ``out``: twelve memory updates a pair fewer (a quarter of
+    this pass on 32,000 Cu atoms), the same column sums.
     """
-    n_nodes = positions.shape[0]
-    # one node's sums together: one or two cache lines; energy (zero here) and force
-    # only without the virials per node (32 bytes a node instead of 80, at the
-    # step's peak memory beside ``terms``)
-    rows = np.zeros((n_nodes, 10 if per_node_virials else 4))
+    per_node_virials = rows.shape[1] == 10
     reverse = 2 if terms.shape[1] == 3 else 0  # the reverse edge's density term
     vxx = vyy = vzz = vyz = vxz = vxy = 0.0  # the virial, when not per node
-    taken = unsigned(0)
-    for e in range(centre.shape[0]):
+    taken = unsigned(taken)
+    for e in range(first, last):
         i, j = _edge_ends(e, centre, neighbour)
         dx, dy, dz = _edge(e, positions, centre, neighbour, image, offsets)
         # an edge not taken reads the next one's row (or the spare) and drops it
@@ -747,4 +848,4 @@ def _emt_pair_forces(  # pragma: no cover - compiled
             )
     if not per_node_virials:
         _add_total_virial(out, vxx, vyy, vzz, vyz, vxz, vxy)
-    _add_node_sums(out, rows)  # no energies here: their row is zero
+    return taken

@@ -9,6 +9,8 @@ process, whose ghost columns carry what belongs to other ranks.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -22,6 +24,7 @@ from ase_shard import ShardedCalculator
 from ase_shard.block import RESULT_COLUMNS
 from ase_shard.comm import Comm
 from ase_shard.graph import EdgeList, direct_forces
+from ase_shard.kernels import plain_edges_together
 from ase_shard.models import EMT, LennardJones, Morse
 
 pytestmark = pytest.mark.skipif(Comm().size > 1, reason="serial: one process plays every rank")
@@ -81,6 +84,65 @@ def _split_cases() -> dict[str, tuple]:
         "emt": (EMT, cu),
         "emt_alloy_mixed_pbc": (EMT, _mixed_pbc_cu()),
     }
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("ghosts_first", [False, True])
+def test_plain_edges_together_as_a_stable_sort(dtype, ghosts_first: bool) -> None:
+    """The plain edges (image 0) gathered in place, the others after them, each in their
+    order (a stable sort by "has an image"); with ``ghosts_first``, the leading edges
+    to ghosts stay where they are."""
+    rng = np.random.default_rng(8)
+    n_edges, n_owned, to_ghosts = 500, 40, 60 if ghosts_first else 0
+    centre = rng.integers(0, n_owned, n_edges).astype(dtype)
+    neighbour = rng.integers(0, n_owned, n_edges).astype(dtype)
+    neighbour[:to_ghosts] = np.sort(rng.integers(n_owned, 70, to_ghosts))
+    image = np.where(rng.random(n_edges) < 0.2, rng.integers(1, 9, n_edges), 0).astype(np.int8)
+    edges = np.stack([centre, neighbour, image])
+    # the oracle: the leading edges to ghosts, then the rest sorted by whether shifted
+    rest = edges[:, to_ghosts:]
+    expected = np.concatenate(
+        [edges[:, :to_ghosts], rest[:, np.argsort(rest[2] != 0, kind="stable")]], axis=1
+    )
+    plain = plain_edges_together(centre, neighbour, image, n_owned, ghosts_first)
+    assert np.array_equal(np.stack([centre, neighbour, image]), expected)
+    assert plain == range(to_ghosts, to_ghosts + int((rest[2] == 0).sum()))
+    assert centre.dtype == dtype and neighbour.dtype == dtype
+    empty = (np.zeros(0, dtype), np.zeros(0, dtype), np.zeros(0, np.int8))
+    assert plain_edges_together(*empty, 0, ghosts_first) == range(0)
+
+
+def _kernel_edges(block, atoms) -> tuple[np.ndarray, EdgeList]:
+    """A block's evaluation (virials per node) and the edge list its kernel was given."""
+    model, listed = block._direct, []
+
+    def listing(edges: EdgeList, out: np.ndarray) -> float:
+        listed.append(edges)
+        return type(model).energy_forces(model, edges, out)
+
+    model.energy_forces = listing
+    try:
+        rows, cell = atoms.positions[block.ids], atoms.cell.array
+        columns = block.evaluate(rows, cell, torch.float64, per_node_virials=True).copy()
+    finally:
+        del model.energy_forces
+    (edges,) = listed
+    return columns, edges
+
+
+@pytest.mark.parametrize("name", sorted(_split_cases()))
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_plain_edges_without_offsets_to_the_bit(name: str, ranks: int) -> None:
+    """A block's plain edges (most of them) are evaluated by kernels that leave the
+    offsets out: the same bits as with every edge's offset (image 0's is zero) added."""
+    make_model, atoms = _split_cases()[name]
+    for block in rank_blocks(make_model(), atoms, ranks):
+        columns, edges = _kernel_edges(block, atoms)
+        assert 0 < len(edges.plain) < len(edges.centre)
+        assert not edges.image[edges.plain.start : edges.plain.stop].any()
+        every = np.zeros_like(columns)
+        block._direct.energy_forces(dataclasses.replace(edges, plain=range(0)), every)
+        assert np.array_equal(columns, every)
 
 
 @pytest.mark.parametrize("name", sorted(_split_cases()))
