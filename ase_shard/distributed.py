@@ -221,6 +221,12 @@ def migrate(atoms: DistributedAtoms, owners: np.ndarray) -> np.ndarray:
     rank's atoms before, or -1 for atoms received from other ranks.
     """
     comm = atoms.comm
+    ids = atoms.arrays[GLOBAL_ID]
+    if comm.size == 1 and (np.diff(ids) > 0).all():
+        # one rank, its atoms in order already: nothing moves. Packed, sent to itself and
+        # unpacked, every per-atom array was copied three times (at 256,000 atoms, 18 MB
+        # a copy, left in the heap: 0.07 kB per atom on the peak)
+        return np.arange(len(ids))
     layout = agreed_layout(atoms, comm)
     order = np.argsort(owners, kind="stable")
     send_counts = np.bincount(owners, minlength=comm.size).astype(np.int64)
