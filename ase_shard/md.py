@@ -273,6 +273,9 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
             start = Start(saved.step, float(saved.record["run"]["time_fs"]))
             defaults = recorded.defaults
         spec, modality = restart_model(path, recorded, spec, modality, flag=flag)
+        # the parameters (a model file's digest) where recorded: restart_model found them
+        # the model's, so a file is not read and hashed twice
+        checked = recorded.parameters if recorded is not None else ""
         kept = partial(restart_option, path, recorded=recorded, flag=flag)
         reach = kept(option="interaction_range", given=reach)
         d3 = kept(option="d3", given=d3)
@@ -285,6 +288,7 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
     else:
         (atoms, defaults, label), start = load_system(args), Start()
         spec = spec or resolve_model(defaults.model)
+        checked = ""
     # the steps this command runs: with --upto (and --resume), those left before step --steps
     upto = args.upto or saved is not None
     steps = max(args.steps - start.step, 0) if upto else args.steps
@@ -302,7 +306,7 @@ def run(args: argparse.Namespace, spec: ModelSpec | None) -> int:
     target = defaults.temperature if args.temperature is None else args.temperature
     physics = Physics(
         model=spec.argument,
-        parameters=model_parameters(spec),
+        parameters=checked or model_parameters(spec),
         modality=modality,
         interaction_range=reach,
         d3=d3,
