@@ -397,14 +397,14 @@ class LocalBlock:
                 image = torch.index_select(torch.from_numpy(row_image), 0, row).numpy()
                 self.neighbour = rows_to_nodes(row, node)
                 self._images = (image, table)
-                if self._hops is None:  # (hop levels keep their order)
-                    # the kernels leave the offsets of the plain edges out
-                    from ase_shard.kernels import plain_edges_together
+                # the kernels leave the offsets of the plain edges out (the kernels' edges
+                # are all centred on owned nodes: no hop levels whose order to keep)
+                from ase_shard.kernels import plain_edges_together
 
-                    self._plain = plain_edges_together(
-                        self.centre.numpy(), self.neighbour.numpy(), image, self.n_owned,
-                        ghosts_first=newton_pair and self._halo is not None,
-                    )  # fmt: skip
+                self._plain = plain_edges_together(
+                    self.centre.numpy(), self.neighbour.numpy(), image, self.n_owned,
+                    ghosts_first=newton_pair and self._halo is not None,
+                )  # fmt: skip
 
     def _pairs_once(
         self, centre: torch.Tensor, rows: torch.Tensor, node: torch.Tensor

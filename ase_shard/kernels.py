@@ -112,10 +112,7 @@ def pair_forces(kind: int, params: np.ndarray, edges: EdgeList, out: np.ndarray)
     constants = tuple(float(value) for value in params) + (0.0,) * (5 - len(params))
     kernel = _pair_forces_per_node if edges.per_node_virials else _pair_forces
     positions, centre, neighbour, image, offsets = _arrays(edges)
-    # one node's sums together (energy and force, and its virial per node: 32 or 80
-    # bytes a node, at the step's peak memory), put in ``out`` once every segment of
-    # the list has added to them
-    rows = np.zeros((len(positions), 10 if edges.per_node_virials else 4))
+    rows = _node_rows(len(positions), edges.per_node_virials)
     closest = np.inf
     for first, last, images in _segments(edges, image):
         closest = min(closest, kernel(
@@ -124,6 +121,15 @@ def pair_forces(kind: int, params: np.ndarray, edges: EdgeList, out: np.ndarray)
         ))  # fmt: skip
     _add_node_sums(out, rows)
     return closest
+
+
+def _node_rows(n_nodes: int, per_node_virials: bool) -> np.ndarray:
+    """Zeroed node-major sums a kernel adds to, its segments in turn, and then puts in the
+    ``(10, n)`` result columns (:func:`_add_node_sums`): one node's sums in one or two
+    cache lines. Energy and force, ``(n, 4)``, 32 bytes a node at the step's peak memory;
+    with the virials per node ``(n, 10)``, 80 bytes (else a kernel sums them in registers).
+    """
+    return np.zeros((n_nodes, 10 if per_node_virials else 4))
 
 
 def plain_edges_together(
@@ -281,9 +287,7 @@ def emt_forces(
     del sums  # spent: not held through the second pass, at the step's peak
     if split:
         halo.copy_owner_columns(dcohesive)
-    # one node's sums together (energy, zero here, and force; the virial too where asked
-    # per node): 32 bytes a node instead of 80, at the step's peak memory beside ``terms``
-    rows = np.zeros((len(numbers), 10 if edges.per_node_virials else 4))
+    rows = _node_rows(len(numbers), edges.per_node_virials)  # (no energies: zero)
     taken = 0
     for first, last, images in segments:
         taken = _emt_pair_forces(
