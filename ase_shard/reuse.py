@@ -1,4 +1,4 @@
-"""When a decomposition may be reused (pure numpy, no MPI).
+"""When a decomposition may be reused (numpy and one compiled loop, no MPI).
 
 A decomposition (owners, ghosts, neighbour lists) is built with a skin: it
 stays valid while every pair now within the halo's reach was within reach plus
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
 
 from ase_shard.layouts.base import Decomposition
@@ -93,17 +94,31 @@ def displacement_reason(
     reach, skin : float
         Å.
     """
-    moved = positions[: state.rows.n_owned] - (
-        state.owned_positions if deformation is None else state.owned_positions @ deformation
-    )
+    reference = state.owned_positions
+    if deformation is not None:
+        reference = reference @ deformation
     stretch = 0.0 if deformation is None else strain(deformation)
-    # most steps pass on a bound, |u| <= sqrt(3) max |u_x|, two reductions without a
-    # temporary (0.02 ms for 32,000 atoms against 0.13 for the lengths)
-    bound = math.sqrt(3.0) * max(moved.max(initial=0.0), -moved.min(initial=0.0))
-    if (reach * stretch + 2.0 * bound) / (1.0 - stretch) <= skin:
-        return None
-    displacement = np.sqrt(np.einsum("ij,ij->i", moved, moved).max(initial=0.0))
+    displacement = math.sqrt(_largest_squared_displacement(positions, reference))
     growth = (reach * stretch + 2.0 * displacement) / (1.0 - stretch)
     if growth > skin:
         return f"pair distances may have changed by {growth:.3f} Å > skin"
     return None
+
+
+@numba.njit(cache=True)
+def _largest_squared_displacement(positions, reference):  # pragma: no cover - compiled
+    """``max |positions[i] - reference[i]|^2`` over the rows of ``reference`` (Å²).
+
+    One pass, no temporary: numpy's difference, its lengths and their maximum
+    read and wrote three arrays the size of the positions (2.6 ms a step of
+    256,000 atoms). Non-finite positions are the validation's to report.
+    """
+    largest = 0.0
+    for i in range(reference.shape[0]):
+        dx = positions[i, 0] - reference[i, 0]
+        dy = positions[i, 1] - reference[i, 1]
+        dz = positions[i, 2] - reference[i, 2]
+        squared = dx * dx + dy * dy + dz * dz
+        if squared > largest:
+            largest = squared
+    return largest
