@@ -59,6 +59,16 @@ def test_totals_do_not_depend_on_the_order_of_terms_or_ranks() -> None:
     assert len(plain) > 1  # plain sums of the same splits differ
 
 
+def test_one_pair_per_row_is_the_correctly_rounded_total() -> None:
+    """One rank's totals (one pair a row) are ``math.fsum``'s bits, ties included."""
+    rng = np.random.default_rng(8)
+    pairs = compensated_row_sums(np.stack([_ill_conditioned(rng, 500) for _ in range(200)]))
+    ties = np.array([[1.0, 2.0**-53], [1.0, 3 * 2.0**-53], [2.0**53, 1.0], [-1.0, -(2.0**-53)]])
+    for every in (pairs, ties):
+        expected = [math.fsum(pair) for pair in every]
+        np.testing.assert_array_equal(exact_total(every[None]), expected)
+
+
 @numba.njit(cache=True)
 def _same_sign_sum(values):  # pragma: no cover - compiled
     total, error = 0.0, 0.0
