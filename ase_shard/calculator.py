@@ -473,7 +473,7 @@ class ShardedCalculator(Calculator):
             rows = layout.with_ghosts(rows)
         columns = self._evaluate(rows, request)
         with timer.phase("gather"):
-            results = layout.finish(atoms, request, columns)
+            results = layout.finish(atoms, request, columns, self._block.virial_in_node_0)
         reference = getattr(self.model, "reference_energies", None)
         if results is not None and reference is not None:
             # per-atom energies less the isolated atoms' (MACE's node_energy)

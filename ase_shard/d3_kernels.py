@@ -47,6 +47,7 @@ from ase.units import Bohr, Hartree
 
 from ase_shard.graph import EdgeList
 from ase_shard.kernels import _add_node_sums, _arrays, _edge, _ends
+from ase_shard.summation import compensated_row_sums
 
 # D3's constants (ase_shard.models.d3 takes them from here)
 COUNTING_STEEPNESS = 16.0  # s-dftd3's kcn
@@ -111,7 +112,8 @@ def d3_forces(params: D3Parameters, edges: EdgeList, out: np.ndarray) -> float:
         coordination numbers come from their owners through it.
     out : (10, n_nodes) float64 array
         Per-node energy (eV), force (eV/Å, 3 rows) and virial (eV, Voigt xx yy
-        zz yz xz xy), added to; a ghost's columns belong to its owner.
+        zz yz xz xy), added to; a ghost's columns belong to its owner. Without
+        ``edges.per_node_virials``, the virial's sum goes to node 0's columns alone.
 
     Returns
     -------
@@ -164,7 +166,15 @@ def d3_forces(params: D3Parameters, edges: EdgeList, out: np.ndarray) -> float:
     _coordination_forces(
         params.covalent_radius, cutoffs, edges.cutoff**2, numbers, *arrays, n_owned, dcn[0], rows
     )
-    _add_node_sums(out, rows)
+    if edges.per_node_virials:
+        _add_node_sums(out, rows)
+    else:
+        # only the virial's sum is wanted, in node 0's columns (DirectForces): a
+        # compensated sum over the nodes, correctly rounded
+        _add_node_sums(out, rows[:, :4])
+        if n_nodes:
+            pairs = compensated_row_sums(rows[:, 4:].T)
+            out[4:, 0] += pairs[:, 0] + pairs[:, 1]
     return closest
 
 

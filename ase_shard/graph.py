@@ -425,8 +425,8 @@ class EdgeList:
         exchanges its first stage's per-node values through it.
     per_node_virials : bool
         ``False`` when only the total virial is wanted (no per-atom stresses
-        asked for): a model may then put it in any node's virial columns, as
-        long as the columns add up to it.
+        asked for): a model then adds it to node 0's virial columns alone, the
+        only ones zeroed (:class:`DirectForces`).
     ids : (n,) int64 array, optional
         Each node's atom: its index in the whole system, the same on every
         rank (a term of several atoms can be taken by one rank, at its
@@ -476,9 +476,12 @@ class DirectForces(Protocol):
     rows 1-3) and the virials (eV, rows 4-9, Voigt xx yy zz yz xz xy) to the
     zeroed ``(10, n)`` float64 array ``out``, and returns the smallest squared
     length (Å²) among all the listed edges (``inf`` without edges), for the
-    calculator's distance check. Sums over ranks must equal the autograd
-    path's: each edge ``(i, j)`` with ``g = dE_i/dd`` gives ``+g`` to ``i``'s
-    force and ``-g`` to ``j``'s, and ``sym(d ⊗ g) / 2`` to each one's virial; a
+    calculator's distance check. Without ``edges.per_node_virials`` it adds
+    the virials' sum to node 0's column of rows 4-9 and leaves the other
+    columns of those rows alone: they are neither zeroed nor read. Sums over
+    ranks must equal the autograd path's: each edge ``(i, j)`` with
+    ``g = dE_i/dd`` gives ``+g`` to ``i``'s force and ``-g`` to ``j``'s, and
+    ``sym(d ⊗ g) / 2`` to each one's virial; a
     pair potential may move a pair's contributions to the node they belong to
     instead, as both directions are listed on the ranks of their centres. A
     ghost's energy counts towards its owner's, like its force.

@@ -52,8 +52,9 @@ PER_ATOM = (("energies", [0]), ("forces", [1, 2, 3]), ("stresses", [4, 5, 6, 7, 
 # MorsePotential do (ASE's tools read calc.results after an energy call); the per-atom
 # stresses travel only when asked for
 ALWAYS = ("energies", "forces")
-# the block's rows summed into the totals: energy, virial (Voigt)
-TOTALS = [0, 4, 5, 6, 7, 8, 9]
+# the block's rows summed into the totals: energy, then virial (Voigt)
+ENERGY_ROWS = [0]
+VIRIAL_ROWS = [4, 5, 6, 7, 8, 9]
 
 
 @dataclass
@@ -327,7 +328,11 @@ class Layout(ABC):
     # -- shared by the layouts ------------------------------------------------------------
 
     def finish(
-        self, atoms: Atoms | None, request: Request, columns: np.ndarray
+        self,
+        atoms: Atoms | None,
+        request: Request,
+        columns: np.ndarray,
+        virial_in_node_0: bool,
     ) -> dict[str, Any] | None:
         """ASE's results from the block's ``(10, n_nodes)`` columns (collective).
 
@@ -337,9 +342,13 @@ class Layout(ABC):
         added exactly over the ranks: the same bits on every rank, whatever the
         order of the atoms, the cell or the number of ranks. Per-atom energies
         and forces always travel, per-atom stresses only when asked for.
+        ``virial_in_node_0``: the virial rows are zero but in node 0's column
+        (the block's ``virial_in_node_0``), which alone is summed.
         """
         # ghosts' shares of energy (a pair taken once) and virial count towards the total
-        partial = compensated_row_sums(columns, TOTALS)[None]
+        virials = columns[:, :1] if virial_in_node_0 else columns
+        energy = compensated_row_sums(columns, ENERGY_ROWS)
+        partial = np.concatenate([energy, compensated_row_sums(virials, VIRIAL_ROWS)])[None]
         wanted = [
             (name, rows)
             for name, rows in PER_ATOM
