@@ -18,6 +18,7 @@ from ase_shard.graph import (
     LocalGraph,
     MeshTransform,
     PredictedForces,
+    Scratch,
     direct_forces,
     model_dtype,
     predicts_forces,
@@ -327,6 +328,7 @@ class LocalBlock:
         elif exchange is not None:
             self._direct = None
         self._columns: np.ndarray | None = None  # the direct path's result
+        self._scratch = Scratch()  # the direct model's arrays between steps
         # whether _columns' virial rows hold virials per node (else zeros but at node 0)
         self._virials_per_node = False
         # the last evaluation's virial rows are zero but in node 0's column (a direct
@@ -711,6 +713,7 @@ class LocalBlock:
                 per_node_virials,
                 self.ids,
                 self._plain,
+                self._scratch,
             )
             closest = self._direct.energy_forces(edges, columns)
         with self.timer.phase("reverse"):

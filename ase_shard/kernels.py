@@ -252,7 +252,8 @@ def emt_forces(
     # otherwise than here (rows of zeros for the edges not taken instead held
     # 0.14 kB an atom more, 32,000 to 256,000 Cu atoms; a byte per edge 0.04 kB)
     n_edges = len(centre)
-    terms = np.empty((n_edges + 1, 3 if mixed else 2))
+    shape = (n_edges + 1, 3 if mixed else 2)
+    terms = np.empty(shape) if edges.scratch is None else edges.scratch.empty("emt terms", shape)
     taken_edges = np.zeros((n_edges + 7) // 8, np.uint8)
     taken = 0
     # pass 1 in batches of edges: their exponentials by numpy's SIMD ``exp`` (under a

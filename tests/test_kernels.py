@@ -23,7 +23,7 @@ from systems import AR, CASES, MORSE_CU
 from ase_shard import ShardedCalculator
 from ase_shard.block import RESULT_COLUMNS
 from ase_shard.comm import Comm
-from ase_shard.graph import EdgeList, direct_forces
+from ase_shard.graph import EdgeList, Scratch, direct_forces
 from ase_shard.kernels import plain_edges_together
 from ase_shard.models import EMT, LennardJones, Morse
 
@@ -143,6 +143,40 @@ def test_plain_edges_without_offsets_to_the_bit(name: str, ranks: int) -> None:
         every = np.zeros_like(columns)
         block._direct.energy_forces(dataclasses.replace(edges, plain=range(0)), every)
         assert np.array_equal(columns, every)
+
+
+class _Stale(Scratch):
+    """A block's scratch whose arrays come back with every bit set, as an earlier step
+    might have left them (NaN in floats)."""
+
+    def empty(self, name: str, shape: tuple[int, ...], dtype=np.float64) -> np.ndarray:
+        array = super().empty(name, shape, dtype)
+        array.reshape(-1).view(np.uint8).fill(0xFF)
+        return array
+
+
+@pytest.mark.parametrize("name", ["emt", "emt_alloy_mixed_pbc"])
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_scratch_carries_nothing_between_steps(name: str, ranks: int) -> None:
+    """EMT's pair terms live in the block's scratch from one step to the next: whatever
+    an earlier step left there, the same bits as arrays of the call's own."""
+    make_model, atoms = _split_cases()[name]
+    for block in rank_blocks(make_model(), atoms, ranks):
+        columns, edges = _kernel_edges(block, atoms)
+        assert edges.scratch is block._scratch
+        for scratch in (None, _Stale(), edges.scratch):
+            again = np.zeros_like(columns)
+            block._direct.energy_forces(dataclasses.replace(edges, scratch=scratch), again)
+            assert np.array_equal(columns, again)
+
+
+def test_scratch_keeps_an_array_while_its_shape_does() -> None:
+    scratch = Scratch()
+    first = scratch.empty("terms", (5, 2))
+    assert scratch.empty("terms", (5, 2)) is first
+    assert scratch.empty("other", (5, 2)) is not first
+    assert scratch.empty("terms", (6, 2)).shape == (6, 2)
+    assert scratch.empty("terms", (6, 2), np.int32).dtype == np.int32
 
 
 @pytest.mark.parametrize("name", sorted(_split_cases()))
