@@ -29,6 +29,7 @@ import numpy as np
 from ase import Atoms
 
 from ase_shard.balance import WorkCuts
+from ase_shard.block import RESULT_COLUMNS, VIRIAL_ROWS
 from ase_shard.comm import Comm, Failure
 from ase_shard.exchange import Halo
 from ase_shard.halo import RankRows
@@ -54,7 +55,7 @@ PER_ATOM = (("energies", [0]), ("forces", [1, 2, 3]), ("stresses", [4, 5, 6, 7, 
 ALWAYS = ("energies", "forces")
 # the block's rows summed into the totals: energy, then virial (Voigt)
 ENERGY_ROWS = [0]
-VIRIAL_ROWS = [4, 5, 6, 7, 8, 9]
+VIRIAL = range(RESULT_COLUMNS)[VIRIAL_ROWS]
 
 
 @dataclass
@@ -348,7 +349,7 @@ class Layout(ABC):
         # ghosts' shares of energy (a pair taken once) and virial count towards the total
         virials = columns[:, :1] if virial_in_node_0 else columns
         energy = compensated_row_sums(columns, ENERGY_ROWS)
-        partial = np.concatenate([energy, compensated_row_sums(virials, VIRIAL_ROWS)])[None]
+        partial = np.concatenate([energy, compensated_row_sums(virials, VIRIAL)])[None]
         wanted = [
             (name, rows)
             for name, rows in PER_ATOM
