@@ -329,10 +329,9 @@ class LocalBlock:
             self._direct = None
         self._columns: np.ndarray | None = None  # the direct path's result
         self._scratch = Scratch()  # the direct model's arrays between steps
-        # whether _columns' virial rows hold virials per node (else zeros but at node 0)
-        self._virials_per_node = False
         # the last evaluation's virial rows are zero but in node 0's column (a direct
-        # model's sum, :class:`~ase_shard.graph.DirectForces`): their sums read that alone
+        # model's sum, :class:`~ase_shard.graph.DirectForces`): their sums read that
+        # alone. Only the direct path sets it, and a block keeps its path
         self.virial_in_node_0 = False
         # forces and virials as the model's outputs (PredictedForces): no autograd
         self._predicts = predicts_forces(model)
@@ -586,7 +585,6 @@ class LocalBlock:
         halo, or two stages with it), from the edges listed at the last
         rebuild: no edge vectors, cutoff filtering or autograd here.
         """
-        self.virial_in_node_0 = False
         if self._direct is not None:
             return self._evaluate_direct(node_rows, cell, per_node_virials)
         timer = self.timer
@@ -736,12 +734,11 @@ class LocalBlock:
         """
         if self._columns is None:
             self._columns = np.zeros((RESULT_COLUMNS, self.n_nodes))
-        elif per_node_virials or self._virials_per_node:
+        elif per_node_virials or not self.virial_in_node_0:  # virials per node last time
             self._columns.fill(0.0)
         else:
             self._columns[: VIRIAL_ROWS.start].fill(0.0)
             self._columns[VIRIAL_ROWS, :1] = 0.0
-        self._virials_per_node = per_node_virials
         self.virial_in_node_0 = not per_node_virials
         return self._columns
 
