@@ -31,10 +31,12 @@ them, with a halo, the ghost ends' densities go to their owners and their
 
 The loops stay free of branches that the processor cannot predict (which
 edges are within the cutoff: a fifth are not, in no pattern): an edge beyond
-it adds zeros. Exponentials, which a compiled loop takes one at a time, are
-taken by numpy's vectorised ``exp`` in batches, and multiplies and adds are
-fused (``fastmath={"contract"}``; no other reordering, so the compensated sums
-stay exact).
+it adds zeros, or is left out of a list of the edges taken that is written
+without a branch (each edge written where the next goes, kept by counting it).
+Exponentials, which a compiled loop takes one at a time, are taken by numpy's
+vectorised ``exp`` in batches, and multiplies and adds are fused
+(``fastmath={"contract"}``; no other reordering, so the compensated sums stay
+exact).
 
 Compiled on first use and cached on disk by numba (``cache=True``). Divisions
 follow numpy's rules (``error_model="numpy"``): coincident atoms give
@@ -260,6 +262,7 @@ def emt_forces(
     # nanosecond each, against 5.7 for the compiled loop's scalar ``exp``: three per
     # edge were half of this pass), the rest compiled, before and after
     radii = np.empty(min(n_edges, EXP_BATCH))
+    batch_edges = np.empty(len(radii), np.int64)  # a batch's taken edges
     exponents = np.empty((5 if mixed else 3, len(radii)))
     closest = np.inf
     batches = [
@@ -268,14 +271,15 @@ def emt_forces(
         for start in range(first, last, EXP_BATCH)
     ]
     for start, stop, images in batches:
-        closest = min(closest, _emt_exponents(
+        listed_closest, n_taken = _emt_exponents(
             table, rc, acut, beta, cutoff2, numbers, positions, centre, neighbour, images,
-            offsets, n_owned, split, mixed, element, start, stop, radii, exponents,
-        ))  # fmt: skip
-        np.exp(exponents[:, : stop - start], out=exponents[:, : stop - start])
+            offsets, n_owned, split, mixed, element, start, stop, batch_edges, radii, exponents,
+        )  # fmt: skip
+        closest = min(closest, listed_closest)
+        np.exp(exponents[:, :n_taken], out=exponents[:, :n_taken])
         taken = _emt_densities(
             table, acut, beta, numbers, centre, neighbour, n_owned, split, mixed, element,
-            start, stop, radii, exponents, taken, taken_edges, sums, terms,
+            n_taken, batch_edges, radii, exponents, taken, taken_edges, sums, terms,
         )  # fmt: skip
     terms[taken] = 0.0  # the spare row, read for the edges not taken after the last
     if split:
@@ -615,39 +619,47 @@ def _flush_centre(sums, node, density, density_error, pair, pair_error):  # prag
 @numba.njit(cache=True, error_model="numpy", fastmath={"contract"})
 def _emt_exponents(  # pragma: no cover - compiled
     table, rc, acut, beta, cutoff2, numbers, positions, centre, neighbour, image, offsets,
-    n_owned, split, mixed, element, start, stop, radii, exponents,
+    n_owned, split, mixed, element, start, stop, batch_edges, radii, exponents,
 ):
-    """Pass 1a, edges ``start:stop``: each taken edge's length into ``radii``, -1 if not taken,
-    and the exponents of its exponentials into the columns of ``exponents``.
+    """Pass 1a, edges ``start:stop``: the taken ones (listed and within the cutoff), in order,
+    their indices into ``batch_edges``, their lengths into ``radii`` and the exponents of
+    their exponentials into the columns of ``exponents``.
 
     Rows: the cutoff's, the density's and the pair term's seen from the centre;
     with ``mixed`` elements also the pair term's and the density's seen from the
-    neighbour. An edge not taken gets zeros. Returns the smallest squared length
-    (Å²) among the edges.
+    neighbour. Returns the smallest squared length (Å²) among the listed edges
+    and the number of edges taken.
 
-    Two loops: the squared lengths (gathered from the positions), then the
-    lengths and exponents, which for one element the compiler vectorises (its
-    square roots included; in one loop, 7.4 ms of a 32,000-atom pass).
+    Two loops: the squared lengths (gathered from the positions), each written
+    where the next taken edge goes and kept by counting it (no branch on the
+    cutoff, a fifth of the edges in no pattern), then the lengths and
+    exponents, which for one element the compiler vectorises (its square roots
+    included; in one loop, 7.4 ms of a 32,000-atom pass). Only the edges taken
+    go on: their exponentials, and the densities' loop, no longer take zeros
+    for the others.
     """
     closest = np.inf
+    n_taken = 0
     for e in range(start, stop):
         i, j = _edge_ends(e, centre, neighbour)
         listed = _ends(i, j, unsigned(n_owned), split) != 0
         dx, dy, dz = _edge(e, positions, centre, neighbour, image, offsets)
         r2 = dx * dx + dy * dy + dz * dz
         closest = min(closest, r2 if listed else np.inf)
-        # every edge computed, its columns selected: no branch on the cutoff
-        radii[unsigned(e - start)] = r2 if listed & (r2 < cutoff2) else -1.0
+        radii[n_taken] = r2
+        batch_edges[n_taken] = e
+        n_taken += listed & (r2 < cutoff2)
     if mixed:
         _mixed_exponents(
-            table, rc, acut, beta, numbers, centre, neighbour, start, stop, radii, exponents
-        )
+            table, rc, acut, beta, numbers, centre, neighbour, n_taken, batch_edges, radii,
+            exponents,
+        )  # fmt: skip
     else:
         # in registers: the table's entries would be reloaded after every store
         eta2, s0 = table[element, EMT_ETA2], table[element, EMT_S0]
         kappa = table[element, EMT_KAPPA]
-        _element_exponents(rc, acut, beta, eta2, s0, kappa, stop - start, radii, exponents)
-    return closest
+        _element_exponents(rc, acut, beta, eta2, s0, kappa, n_taken, radii, exponents)
+    return closest, n_taken
 
 
 @numba.njit(cache=True, error_model="numpy", fastmath={"contract"}, inline="always")
@@ -657,92 +669,73 @@ def _element_exponents(
     """:func:`_emt_exponents`' second loop, one element: ``radii`` squared in, lengths out."""
     inverse_beta = 1.0 / beta
     for k in range(n):
-        r, taken = _length(radii, k)
-        exponents[0, k] = acut * (r - rc) if taken else 0.0
-        exponents[1, k], exponents[2, k] = _exponents(
-            r, taken, beta, inverse_beta, eta2, s0, kappa
-        )
+        r = math.sqrt(radii[k])
+        radii[k] = r
+        exponents[0, k] = acut * (r - rc)
+        exponents[1, k], exponents[2, k] = _exponents(r, beta, inverse_beta, eta2, s0, kappa)
 
 
 @numba.njit(cache=True, error_model="numpy", fastmath={"contract"}, inline="always")
 def _mixed_exponents(
-    table, rc, acut, beta, numbers, centre, neighbour, start, stop, radii, exponents
+    table, rc, acut, beta, numbers, centre, neighbour, n, batch_edges, radii, exponents
 ):  # pragma: no cover - compiled
     """:func:`_emt_exponents`' second loop, mixed elements (each end's parameters)."""
     inverse_beta = 1.0 / beta
-    for e in range(start, stop):
-        k = unsigned(e - start)
-        i, j = _edge_ends(e, centre, neighbour)
+    for k in range(n):
+        i, j = _edge_ends(batch_edges[k], centre, neighbour)
         zi, zj = numbers[i], numbers[j]
-        r, taken = _length(radii, k)
-        exponents[0, k] = acut * (r - rc) if taken else 0.0
+        r = math.sqrt(radii[k])
+        radii[k] = r
+        exponents[0, k] = acut * (r - rc)
         exponents[1, k], exponents[2, k] = _exponents(
-            r, taken, beta, inverse_beta, table[zj, EMT_ETA2], table[zj, EMT_S0],
-            table[zj, EMT_KAPPA],
-        )  # fmt: skip
+            r, beta, inverse_beta, table[zj, EMT_ETA2], table[zj, EMT_S0], table[zj, EMT_KAPPA]
+        )
         exponents[4, k], exponents[3, k] = _exponents(
-            r, taken, beta, inverse_beta, table[zi, EMT_ETA2], table[zi, EMT_S0],
-            table[zi, EMT_KAPPA],
-        )  # fmt: skip
-
-
-@numba.njit(cache=True, error_model="numpy", inline="always")
-def _length(radii, k):  # pragma: no cover - compiled
-    """Edge ``k``'s length (Å) from its square in ``radii`` (-1 if not taken), written back
-    over it, and whether it is taken."""
-    taken = radii[k] >= 0.0
-    r = math.sqrt(radii[k]) if taken else -1.0
-    radii[k] = r
-    return r, taken
+            r, beta, inverse_beta, table[zi, EMT_ETA2], table[zi, EMT_S0], table[zi, EMT_KAPPA]
+        )
 
 
 @numba.njit(cache=True, error_model="numpy", fastmath={"contract"}, inline="always")
-def _exponents(r, taken, beta, inverse_beta, eta2, s0, kappa):  # pragma: no cover - compiled
-    """The exponents of an element's density and pair terms at ``r`` (zeros if not taken)."""
-    density = -eta2 * (r - beta * s0) if taken else 0.0
-    pair = -kappa * (r * inverse_beta - s0) if taken else 0.0
-    return density, pair
+def _exponents(r, beta, inverse_beta, eta2, s0, kappa):  # pragma: no cover - compiled
+    """The exponents of an element's density and pair terms at ``r`` (Å)."""
+    return -eta2 * (r - beta * s0), -kappa * (r * inverse_beta - s0)
 
 
 @numba.njit(cache=True, error_model="numpy", fastmath={"contract"})
 def _emt_densities(  # pragma: no cover - compiled
-    table, acut, beta, numbers, centre, neighbour, n_owned, split, mixed, element, start,
-    stop, radii, exponentials, taken, taken_edges, sums, terms,
+    table, acut, beta, numbers, centre, neighbour, n_owned, split, mixed, element, n_taken,
+    batch_edges, radii, exponentials, taken, taken_edges, sums, terms,
 ):
-    """Pass 1b, edges ``start:stop``: densities and pair sums into ``sums`` (4, n); whether
-    each edge is taken into its bit of ``taken_edges`` (:func:`_taken`), the terms of
-    those taken into ``terms`` from row ``taken`` on; returns the next row.
+    """Pass 1b, the ``n_taken`` edges :func:`_emt_exponents` took (``batch_edges``, in
+    order): densities and pair sums into ``sums`` (4, n); each edge's bit of
+    ``taken_edges`` set (:func:`_taken`, for pass 2), its terms into ``terms``
+    from row ``taken`` on; returns the next row.
 
     ``exponentials`` holds :func:`_emt_exponents`'s rows, exponentiated. Rows 0
     and 1 of ``sums`` take the densities and pair sums, rows 2 and 3 their
     rounding errors (:func:`ase_shard.summation.compensated_step`). A centre's
     own terms are summed in registers while its edges follow one another (the
     lists are grouped by centre) and added to ``sums`` once, with their error;
-    only the neighbours' ends go to memory edge by edge. An edge not taken has
-    ``w = 0``, so every term it adds is zero, and its row of ``terms`` is
-    overwritten by the next: no branch on it (a fifth of the edges,
-    unpredictably).
+    only the neighbours' ends go to memory edge by edge.
     """
     inverse_n0 = 1.0 / table[:, EMT_N0]  # divisions are slow: one per element, not per edge
     inverse_beta = 1.0 / beta
     eta2_0, kappa_0 = table[element, EMT_ETA2], table[element, EMT_KAPPA]
     halfv_0 = table[element, EMT_NEGHALFV0OVERGAMMA2]
-    if stop == start:
+    if n_taken == 0:
         return taken
-    current = unsigned(centre[unsigned(start)])  # the centre being summed in registers
+    current = unsigned(centre[unsigned(batch_edges[0])])  # the centre summed in registers
     density_sum = density_error = pair_sum = pair_error = 0.0
-    for e in range(start, stop):
-        k = unsigned(e - start)
+    for k in range(n_taken):
+        e = unsigned(batch_edges[k])
         i, j = _edge_ends(e, centre, neighbour)
         if i != current:
             _flush_centre(sums, current, density_sum, density_error, pair_sum, pair_error)
             current = i
             density_sum = density_error = pair_sum = pair_error = 0.0
-        r = radii[k]
-        taken_edge = r >= 0.0
-        taken_edges[e >> 3] |= np.uint8(taken_edge) << (e & 7)
+        taken_edges[e >> 3] |= np.uint8(1) << (e & 7)
         u = exponentials[0, k]
-        w = 1.0 / (1.0 + u) if taken_edge else 0.0
+        w = 1.0 / (1.0 + u)
         dw = -acut * u * w * w
         if mixed:
             zi, zj = numbers[i], numbers[j]
@@ -763,8 +756,8 @@ def _emt_densities(  # pragma: no cover - compiled
         dpair = (kappa_j * es + kappa_i * eo) * inverse_beta * w
         density_sum, density_error = same_sign_step(density_sum, density_error, density * w)
         pair_sum, pair_error = same_sign_step(pair_sum, pair_error, pair * w)
-        inverse_r = 1.0 / r
-        row = unsigned(taken)
+        inverse_r = 1.0 / radii[k]
+        row = unsigned(taken + k)
         terms[row, 0] = density * (dw - eta2_j * w) * inverse_r
         terms[row, 1] = 0.5 * (pair * dw - dpair) * inverse_r
         if _ends(i, j, unsigned(n_owned), split) == 2:
@@ -774,9 +767,8 @@ def _emt_densities(  # pragma: no cover - compiled
             add_same_sign(sums, 1, j, pair * w, 3)
             if mixed:
                 terms[row, 2] = density * (dw - table[zi, EMT_ETA2] * w) * inverse_r
-        taken += taken_edge
     _flush_centre(sums, current, density_sum, density_error, pair_sum, pair_error)
-    return taken
+    return taken + n_taken
 
 
 @numba.njit(cache=True, error_model="numpy", fastmath={"contract"})
