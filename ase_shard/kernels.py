@@ -80,10 +80,11 @@ LJ_SHIFTED, LJ_SMOOTH, MORSE = 0, 1, 2
 
 # edges a pair potential's kernel takes at a time: their vectors and terms stay in L1
 PAIR_BATCH = 1024
-# edges whose exponentials EMT's first pass takes at a time: 3 (5 for mixed elements)
-# rows of this many float64, 1.5 MiB, about a core's L2 cache; two compiled calls and
-# one of numpy's per batch (8,192 edges a batch took 8 % longer a 32,000-atom pass, in
-# the calls' own cost: each checks the types of its twenty arguments)
+# edges EMT's first pass takes at a time: 3 (5 for mixed elements) rows of this many
+# float64 exponentials, with the batch's lengths and list of taken edges, 2.5 MiB; two
+# compiled calls and one of numpy's per batch (8,192 edges a batch took 8 % longer a
+# 32,000-atom pass, in the calls' own cost: each checks the types of its twenty
+# arguments; since 27ff86e 16,384 to 262,144 edges, 65,536 or more the fastest)
 EXP_BATCH = 65536
 
 
