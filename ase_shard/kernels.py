@@ -636,8 +636,8 @@ def _emt_exponents(  # pragma: no cover - compiled
     cutoff, a fifth of the edges in no pattern), then the lengths and
     exponents, which for one element the compiler vectorises (its square roots
     included; in one loop, 7.4 ms of a 32,000-atom pass). Only the edges taken
-    go on: their exponentials, and the densities' loop, no longer take zeros
-    for the others.
+    go on to the exponentials and the densities' loop (the others' zeros taken
+    as well, 32,000 Cu atoms: 26.5-27.1 ms a kernel against 23.7-25.0).
     """
     closest = np.inf
     n_taken = 0
