@@ -772,13 +772,55 @@ def _emt_densities(  # pragma: no cover - compiled
     return taken + n_taken
 
 
-@numba.njit(cache=True, error_model="numpy", fastmath={"contract"})
-def _emt_energies(table, beta, numbers, sums, n_owned, out, dcohesive):  # pragma: no cover
+def _emt_energies(
+    table: np.ndarray,
+    beta: float,
+    numbers: np.ndarray,
+    sums: np.ndarray,
+    n_owned: int,
+    out: np.ndarray,
+    dcohesive: np.ndarray,
+) -> None:
     """Each owned node's energy into ``out`` and its ``dE/dsigma1`` (none without neighbours).
 
     The energy's terms (several eV each, for an energy near zero) are added
-    with their rounding errors, as are the sums they come from.
+    with their rounding errors, as are the sums they come from. The logarithm
+    and the two exponentials of each node by numpy's vectorised functions,
+    between two compiled loops (one at a time, they were most of this step).
     """
+    values = np.empty((3, n_owned))
+    _emt_energy_logs(table, numbers, sums, n_owned, values[0])
+    np.log(values[0], out=values[0])
+    _emt_energy_exponents(table, beta, numbers, n_owned, values)
+    np.exp(values[1:], out=values[1:])
+    _emt_energy_sums(table, beta, numbers, sums, n_owned, values, out, dcohesive)
+
+
+@numba.njit(cache=True, error_model="numpy", fastmath={"contract"})
+def _emt_energy_logs(table, numbers, sums, n_owned, arguments):  # pragma: no cover
+    """The argument of each owned node's logarithm (1 for a node without neighbours)."""
+    for i in range(n_owned):
+        density = sums[0, i] + sums[2, i]
+        arguments[i] = density * table[numbers[i], EMT_INV12GAMMA1] if density > 0.0 else 1.0
+
+
+@numba.njit(cache=True, error_model="numpy", fastmath={"contract"})
+def _emt_energy_exponents(table, beta, numbers, n_owned, values):  # pragma: no cover
+    """Row 0 of ``values`` (logarithms) in, each node's ``ds`` and the exponents of its
+    two exponentials out (rows 0, 1 and 2)."""
+    for i in range(n_owned):
+        z = numbers[i]
+        ds = -values[0, i] / (beta * table[z, EMT_ETA2])
+        values[0, i] = ds
+        values[1, i] = -table[z, EMT_LAMBDA] * ds
+        values[2, i] = -table[z, EMT_KAPPA] * ds
+
+
+@numba.njit(cache=True, error_model="numpy", fastmath={"contract"})
+def _emt_energy_sums(
+    table, beta, numbers, sums, n_owned, values, out, dcohesive
+):  # fmt: skip  # pragma: no cover - compiled
+    """:func:`_emt_energies`' last loop: the energies and ``dE/dsigma1`` from ``values``."""
     for i in range(n_owned):
         z = numbers[i]
         energy, error = compensated_step(0.5 * sums[1, i], 0.5 * sums[3, i], -table[z, EMT_E0])
@@ -786,9 +828,9 @@ def _emt_energies(table, beta, numbers, sums, n_owned, out, dcohesive):  # pragm
         if density > 0.0:
             e0, lmbda, kappa = table[z, EMT_E0], table[z, EMT_LAMBDA], table[z, EMT_KAPPA]
             scale = beta * table[z, EMT_ETA2]
-            ds = -math.log(density * table[z, EMT_INV12GAMMA1]) / scale
-            lambda_term = math.exp(-lmbda * ds)
-            kappa_term = 6.0 * table[z, EMT_V0] * math.exp(-kappa * ds)
+            ds = values[0, i]
+            lambda_term = values[1, i]
+            kappa_term = 6.0 * table[z, EMT_V0] * values[2, i]
             energy, error = compensated_step(energy, error, e0 * (1.0 + lmbda * ds) * lambda_term)
             energy, error = compensated_step(energy, error, kappa_term)
             dcohesive_dds = -e0 * lmbda * lmbda * ds * lambda_term - kappa * kappa_term
