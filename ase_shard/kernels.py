@@ -256,15 +256,16 @@ def emt_forces(
     # 0.14 kB an atom more, 32,000 to 256,000 Cu atoms; a byte per edge 0.04 kB)
     n_edges = len(centre)
     shape = (n_edges + 1, 3 if mixed else 2)
-    terms = np.empty(shape) if edges.scratch is None else edges.scratch.empty("emt terms", shape)
+    terms = _kept(edges, "emt terms", shape)
     taken_edges = np.zeros((n_edges + 7) // 8, np.uint8)
     taken = 0
     # pass 1 in batches of edges: their exponentials by numpy's SIMD ``exp`` (under a
     # nanosecond each, against 5.7 for the compiled loop's scalar ``exp``: three per
     # edge were half of this pass), the rest compiled, before and after
-    radii = np.empty(min(n_edges, EXP_BATCH))
-    batch_edges = np.empty(len(radii), np.int64)  # a batch's taken edges
-    exponents = np.empty((5 if mixed else 3, len(radii)))
+    batch = min(n_edges, EXP_BATCH)
+    radii = _kept(edges, "emt radii", (batch,))
+    batch_edges = _kept(edges, "emt batch edges", (batch,), np.int64)  # its taken edges
+    exponents = _kept(edges, "emt exponents", (5 if mixed else 3, batch))
     closest = np.inf
     batches = [
         (start, min(start + EXP_BATCH, last), images)
@@ -302,6 +303,16 @@ def emt_forces(
         )  # fmt: skip
     _add_node_sums(out, rows)  # no energies here: their row is zero
     return closest
+
+
+def _kept(
+    edges: EdgeList, name: str, shape: tuple[int, ...], dtype: type = np.float64
+) -> np.ndarray:
+    """An uninitialised array from the block's scratch (kept between its steps), or a
+    fresh one where the edges come without."""
+    if edges.scratch is None:
+        return np.empty(shape, dtype)
+    return edges.scratch.empty(name, shape, dtype)
 
 
 def _arrays(edges: EdgeList) -> tuple[np.ndarray, ...]:
