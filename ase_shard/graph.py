@@ -457,7 +457,8 @@ class EdgeList:
 
 
 class Scratch:
-    """Host arrays that a model keeps between the evaluations of one block.
+    """Host arrays, and plans drawn from the list, that a model keeps between the
+    evaluations of one block.
 
     A block lives from one rebuild to the next, and its list's length with it:
     an array sized by the list is allocated once, not at every step. glibc maps
@@ -468,6 +469,7 @@ class Scratch:
 
     def __init__(self) -> None:
         self._arrays: dict[str, np.ndarray] = {}
+        self._made: dict[str, object] = {}
 
     def empty(self, name: str, shape: tuple[int, ...], dtype=np.float64) -> np.ndarray:
         """An array of ``shape`` and ``dtype``, as the last call for ``name`` left it
@@ -477,6 +479,13 @@ class Scratch:
             self._arrays.pop(name, None)  # freed before its successor is allocated
             array = self._arrays[name] = np.empty(shape, dtype)
         return array
+
+    def once(self, name: str, make: Callable[[], object]) -> object:
+        """``make()``, called at the first call for ``name`` only: a plan drawn from the
+        block's list, which lasts as long as the scratch."""
+        if name not in self._made:
+            self._made[name] = make()
+        return self._made[name]
 
 
 class GhostColumns(Protocol):

@@ -24,10 +24,11 @@ as its force and half of the virial ``d ⊗ dE/dd``.
 EMT (two passes): the energy of an atom depends on its density, so an edge
 gives each end its own energy terms. The first pass sums the densities and
 keeps three numbers per pair taken (two for one element) and a bit per
-listed edge; the second, once every atom's ``dE/dsigma1`` is known, sums the
-forces and virials. Between
-them, with a halo, the ghost ends' densities go to their owners and their
-``dE/dsigma1`` come back.
+listed edge; the second, once both ends' ``dE/dsigma1`` are known, sums the
+forces and virials. On one rank the second follows the first through the
+list, its terms held in a ring (:func:`_emt_sweep`). Between them, with a
+halo, the ghost ends' densities go to their owners and their ``dE/dsigma1``
+come back.
 
 The loops stay free of branches that the processor cannot predict (which
 edges are within the cutoff: a fifth are not, in no pattern): an edge beyond
@@ -46,6 +47,7 @@ non-finite numbers, which the block reports, rather than an exception here.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numba
 import numpy as np
@@ -86,6 +88,10 @@ PAIR_BATCH = 1024
 # 32,000-atom pass, in the calls' own cost: each checks the types of its twenty
 # arguments; since 27ff86e 16,384 to 262,144 edges, 65,536 or more the fastest)
 EXP_BATCH = 65536
+# EMT's batches of plain edges after which the second pass follows the first
+# (:func:`_emt_sweep`): each time, a few compiled calls for the nodes complete; a
+# larger ring for more. 32,000 Cu atoms, 1 to 8 tried: 2 the fastest kernel
+SWEEP_BATCHES = 2
 
 
 def pair_forces(kind: int, params: np.ndarray, edges: EdgeList, out: np.ndarray) -> float:
@@ -243,6 +249,8 @@ def emt_forces(
     # (:mod:`ase_shard.summation`): with ~80 neighbours each, plain sums were the
     # energy's main noise
     sums = np.zeros((4, len(numbers)))
+    dcohesive = np.zeros((1, len(numbers)))
+    rows = _node_rows(len(numbers), edges.per_node_virials)  # (no energies: zero)
     # one element: a pair's density terms seen from its two ends are the same number,
     # and the kernels keep that ``element``'s parameters in registers
     mixed = len(numbers) > 0 and numbers.min() != numbers.max()
@@ -250,59 +258,206 @@ def emt_forces(
     # per edge taken, in order: d(density w)/dr / r seen from the centre, 0.5 d(pair
     # w)/dr / r (the same seen from either end) and, where the elements are ``mixed``,
     # the first seen from the neighbour (without, it is the first: 8 bytes a pair
-    # fewer); one spare row. Whether each edge was taken is a bit: the second pass
-    # takes it from there, with no branch and never a length that might round
-    # otherwise than here (rows of zeros for the edges not taken instead held
-    # 0.14 kB an atom more, 32,000 to 256,000 Cu atoms; a byte per edge 0.04 kB)
-    n_edges = len(centre)
-    shape = (n_edges + 1, 3 if mixed else 2)
-    terms = _kept(edges, "emt terms", shape)
-    taken_edges = np.zeros((n_edges + 7) // 8, np.uint8)
-    taken = 0
+    # fewer). Whether each edge was taken is a bit: the second pass takes it from
+    # there, with no branch and never a length that might round otherwise than here
+    # (rows of zeros for the edges not taken instead held 0.14 kB an atom more, 32,000
+    # to 256,000 Cu atoms; a byte per edge 0.04 kB). The plain edges' terms are held
+    # only from the first pass to the second (:func:`_emt_sweep`), the others' until
+    # the end
+    plain = edges.plain
+    held = [(first, last, images) for first, last, images in segments if images is not None]
+    sweep = _emt_sweep(edges, centre, neighbour, split)
+    columns = 3 if mixed else 2
+    held_terms = _kept(edges, "emt held terms", (max(sum(b - a for a, b, _ in held), 1), columns))
+    plain_terms = _kept(edges, "emt terms", (sweep.rows, columns))
+    taken_edges = np.zeros((len(centre) + 7) // 8, np.uint8)
     # pass 1 in batches of edges: their exponentials by numpy's SIMD ``exp`` (under a
     # nanosecond each, against 5.7 for the compiled loop's scalar ``exp``: three per
     # edge were half of this pass), the rest compiled, before and after
-    batch = min(n_edges, EXP_BATCH)
+    batch = min(len(centre), EXP_BATCH)
     radii = _kept(edges, "emt radii", (batch,))
     batch_edges = _kept(edges, "emt batch edges", (batch,), np.int64)  # its taken edges
     exponents = _kept(edges, "emt exponents", (5 if mixed else 3, batch))
     closest = np.inf
-    batches = [
-        (start, min(start + EXP_BATCH, last), images)
-        for first, last, images in segments
-        for start in range(first, last, EXP_BATCH)
-    ]
-    for start, stop, images in batches:
+
+    def first_pass(start: int, stop: int, images, terms: np.ndarray, taken: int) -> int:
+        nonlocal closest
         listed_closest, n_taken = _emt_exponents(
             table, rc, acut, beta, cutoff2, numbers, positions, centre, neighbour, images,
             offsets, n_owned, split, mixed, element, start, stop, batch_edges, radii, exponents,
         )  # fmt: skip
         closest = min(closest, listed_closest)
         np.exp(exponents[:, :n_taken], out=exponents[:, :n_taken])
-        taken = _emt_densities(
+        return _emt_densities(
             table, acut, beta, numbers, centre, neighbour, n_owned, split, mixed, element,
             n_taken, batch_edges, radii, exponents, taken, taken_edges, sums, terms,
         )  # fmt: skip
-    terms[taken] = 0.0  # the spare row, read for the edges not taken after the last
+
+    def energies(nodes: np.ndarray) -> None:
+        if len(nodes):
+            _emt_energies(table, beta, numbers, sums, nodes, out, dcohesive[0])
+
+    def second_pass(first: int, last: int, images, terms: np.ndarray, taken: int) -> int:
+        if last == first:
+            return taken
+        return _emt_pair_forces(
+            positions, centre, neighbour, images, offsets, n_owned, split, taken_edges, terms,
+            dcohesive[0], first, last, taken, rows, out,
+        )  # fmt: skip
+
+    # the held edges first: a node's density is complete once the plain edges reach
+    # its last, and its energy, its dcohesive and then its edges' forces follow
+    taken = 0
+    for first, last, images in held:
+        for start in range(first, last, EXP_BATCH):
+            taken = first_pass(start, min(start + EXP_BATCH, last), images, held_terms, taken)
+    energies(sweep.completed(-2, -1))
+    written = read = 0
+    done = plain.start
+    acted = -1  # the batch after which the energies and the second pass last went on
+    n_batches = len(sweep.frontier)
+    for b, start in enumerate(range(plain.start, plain.stop, EXP_BATCH)):
+        written = first_pass(start, min(start + EXP_BATCH, plain.stop), None, plain_terms, written)
+        if (b + 1) % SWEEP_BATCHES == 0 or b == n_batches - 1:
+            energies(sweep.completed(acted, b))
+            read = second_pass(done, sweep.frontier[b], None, plain_terms, read)
+            done, acted = sweep.frontier[b], b
     if split:
         # a ghost's partial sums travel as one number each (not four): its owner adds
         # them to its own compensated sums
         sums[:2, n_owned:] += sums[2:, n_owned:]
         halo.sum_ghost_columns(sums[:2])
-    dcohesive = np.zeros((1, len(numbers)))
-    _emt_energies(table, beta, numbers, sums, n_owned, out, dcohesive[0])
-    del sums  # spent: not held through the second pass, at the step's peak
+    energies(sweep.completed(n_batches - 1, n_batches))
     if split:
         halo.copy_owner_columns(dcohesive)
-    rows = _node_rows(len(numbers), edges.per_node_virials)  # (no energies: zero)
+    # the rest in the list's order
     taken = 0
     for first, last, images in segments:
-        taken = _emt_pair_forces(
-            positions, centre, neighbour, images, offsets, n_owned, split, taken_edges, terms,
-            dcohesive[0], first, last, taken, rows, out,
-        )  # fmt: skip
+        if images is None:
+            second_pass(done, last, None, plain_terms, read)
+        else:
+            taken = second_pass(first, last, images, held_terms, taken)
     _add_node_sums(out, rows)  # no energies here: their row is zero
     return closest
+
+
+@dataclass(frozen=True)
+class _Sweep:
+    """How EMT's two passes over a block's plain edges follow one another
+    (:func:`_emt_sweep`).
+
+    Attributes
+    ----------
+    frontier : (B,) int64 array
+        After the first pass over the plain edges' batch ``b`` (of
+        :data:`EXP_BATCH`), the second may take them up to edge ``frontier[b]``:
+        each end's density is complete by then.
+    nodes : (n_owned,) int64 array
+        The owned nodes in the order their densities are complete: before the
+        plain edges, after each of their batches, at the end (after the ghosts'
+        sums), from ``offsets``.
+    offsets : (B + 3,) int64 array
+    rows : int
+        The most pair terms of plain edges held at once (rows a ring of them
+        needs).
+    """
+
+    frontier: np.ndarray
+    nodes: np.ndarray
+    offsets: np.ndarray
+    rows: int
+
+    def completed(self, after: int, upto: int) -> np.ndarray:
+        """The nodes complete after batch ``after`` and by batch ``upto`` (-1: before the
+        first; ``B``: at the end)."""
+        return self.nodes[self.offsets[after + 2] : self.offsets[upto + 2]]
+
+
+def _emt_sweep(edges: EdgeList, centre: np.ndarray, neighbour: np.ndarray, split: bool) -> _Sweep:
+    """EMT's plan for a block's list, drawn once and kept in its scratch.
+
+    A pair's terms (16 bytes) were held from the first pass to the second for
+    every edge taken: 0.55 kB an atom, a third of a step's peak memory (168 MiB
+    at 256,000 Cu atoms), which the second pass read back from memory. A list
+    walks space a region at a time (a cell list's order, whatever the atoms'),
+    so a node's density is complete once the first pass has walked its last
+    edge, a few thousand atoms later. The second pass follows the first over
+    the plain edges, every :data:`SWEEP_BATCHES` batches, as far as their ends
+    are complete, and their terms are held in a ring of the rows between the
+    two (``_Sweep.rows``): 4.4 MiB at 32,000 Cu atoms, 12 MiB at 256,000. The
+    other edges (images across the box's faces, ghosts: 5-10 %) go first and
+    are held until the end. With a halo a node's density is complete only
+    after the exchange (each rank's sums into the ghosts' owners): then every
+    term is held to the end, as before.
+
+    Drawn in two walks over the plain edges (2.4 ms at 32,000 Cu atoms, at each
+    rebuild) and kept in the block's scratch.
+    """
+    plain = edges.plain
+
+    def make() -> _Sweep:
+        return _Sweep(*_sweep_plan(
+            centre, neighbour, edges.n_owned, len(edges.positions), split, plain.start,
+            plain.stop, EXP_BATCH, SWEEP_BATCHES,
+        ))  # fmt: skip
+
+    if edges.scratch is None:
+        return make()
+    # one list, its plain edges and its halo known
+    return edges.scratch.once(f"emt sweep {plain.start} {plain.stop} {split}", make)
+
+
+@numba.njit(cache=True)
+def _sweep_plan(  # pragma: no cover - compiled
+    centre, neighbour, n_owned, n_nodes, split, first, last, batch, group
+):
+    """:func:`_emt_sweep`'s arrays (``_Sweep``'s fields), over the plain edges
+    ``first:last`` in batches of ``batch``."""
+    n_batches = (last - first + batch - 1) // batch
+    # the batch after which each node's density is complete: -1 before the plain edges,
+    # n_batches at the end (the ghosts; with a halo, every node: after the exchange)
+    complete = np.full(n_nodes, n_batches if split else -1, np.int64)
+    complete[n_owned:] = n_batches
+    frontier = np.full(n_batches, first, np.int64)
+    if not split:
+        for b in range(n_batches):  # a node's last edge is in its latest batch
+            for e in range(first + b * batch, min(first + (b + 1) * batch, last)):
+                i, j = _edge_ends(e, centre, neighbour)
+                ends = _ends(i, j, unsigned(n_owned), split)
+                if ends != 0:
+                    complete[i] = b
+                if ends == 2:
+                    complete[j] = b
+        ready = -1  # the latest batch after which every edge so far has both ends complete
+        b = 0
+        for e in range(first, last):
+            i, j = _edge_ends(e, centre, neighbour)
+            ends = _ends(i, j, unsigned(n_owned), split)
+            needs = max(complete[i], complete[j]) if ends == 2 else complete[i]
+            ready = max(ready, needs if ends != 0 else -1)
+            while b < n_batches and ready > b:
+                frontier[b] = e
+                b += 1
+        frontier[b:] = last
+    rows = 0
+    done = first
+    for b in range(n_batches):
+        rows = max(rows, min(first + (b + 1) * batch, last) - done)
+        if (b + 1) % group == 0:
+            done = frontier[b]
+    # the owned nodes by the batch after which they are complete (counting sort)
+    offsets = np.zeros(n_batches + 3, np.int64)
+    for node in range(n_owned):
+        offsets[complete[node] + 2] += 1
+    for k in range(1, n_batches + 3):
+        offsets[k] += offsets[k - 1]
+    nodes = np.empty(n_owned, np.int64)
+    filled = offsets.copy()
+    for node in range(n_owned):
+        slot = complete[node] + 1
+        nodes[filled[slot]] = node
+        filled[slot] += 1
+    return frontier, nodes, offsets, max(rows, 1)
 
 
 def _kept(
@@ -736,6 +891,7 @@ def _emt_densities(  # pragma: no cover - compiled
     halfv_0 = table[element, EMT_NEGHALFV0OVERGAMMA2]
     if n_taken == 0:
         return taken
+    capacity = unsigned(terms.shape[0])
     current = unsigned(centre[unsigned(batch_edges[0])])  # the centre summed in registers
     density_sum = density_error = pair_sum = pair_error = 0.0
     for k in range(n_taken):
@@ -770,6 +926,7 @@ def _emt_densities(  # pragma: no cover - compiled
         pair_sum, pair_error = same_sign_step(pair_sum, pair_error, pair * w)
         inverse_r = 1.0 / radii[k]
         row = unsigned(taken + k)
+        row = row - capacity if row >= capacity else row  # a ring (:func:`_emt_sweep`)
         terms[row, 0] = density * (dw - eta2_j * w) * inverse_r
         terms[row, 1] = 0.5 * (pair * dw - dpair) * inverse_r
         if _ends(i, j, unsigned(n_owned), split) == 2:
@@ -780,7 +937,8 @@ def _emt_densities(  # pragma: no cover - compiled
             if mixed:
                 terms[row, 2] = density * (dw - table[zi, EMT_ETA2] * w) * inverse_r
     _flush_centre(sums, current, density_sum, density_error, pair_sum, pair_error)
-    return taken + n_taken
+    taken += n_taken
+    return taken - capacity if taken >= capacity else taken
 
 
 def _emt_energies(
@@ -788,11 +946,12 @@ def _emt_energies(
     beta: float,
     numbers: np.ndarray,
     sums: np.ndarray,
-    n_owned: int,
+    nodes: np.ndarray,
     out: np.ndarray,
     dcohesive: np.ndarray,
 ) -> None:
-    """Each owned node's energy into ``out`` and its ``dE/dsigma1`` (none without neighbours).
+    """The energies of the owned ``nodes`` into ``out`` and their ``dE/dsigma1`` (none
+    without neighbours).
 
     The energy's terms (several eV each, for an energy near zero) are added
     with their rounding errors, as are the sums they come from. The logarithm
@@ -800,49 +959,51 @@ def _emt_energies(
     between compiled loops (one at a time in one loop: 0.77 ms at 32,000 Cu
     atoms, against 0.42).
     """
-    values = np.empty((3, n_owned))
-    _emt_energy_logs(table, numbers, sums, n_owned, values[0])
+    values = np.empty((3, len(nodes)))
+    _emt_energy_logs(table, numbers, sums, nodes, values[0])
     np.log(values[0], out=values[0])
-    _emt_energy_exponents(table, beta, numbers, n_owned, values)
+    _emt_energy_exponents(table, beta, numbers, nodes, values)
     np.exp(values[1:], out=values[1:])
-    _emt_energy_sums(table, beta, numbers, sums, n_owned, values, out, dcohesive)
+    _emt_energy_sums(table, beta, numbers, sums, nodes, values, out, dcohesive)
 
 
 @numba.njit(cache=True, error_model="numpy", fastmath={"contract"})
-def _emt_energy_logs(table, numbers, sums, n_owned, arguments):  # pragma: no cover
-    """The argument of each owned node's logarithm (1 for a node without neighbours)."""
-    for i in range(n_owned):
+def _emt_energy_logs(table, numbers, sums, nodes, arguments):  # pragma: no cover
+    """The argument of each node's logarithm (1 for a node without neighbours)."""
+    for k in range(len(nodes)):
+        i = nodes[k]
         density = sums[0, i] + sums[2, i]
-        arguments[i] = density * table[numbers[i], EMT_INV12GAMMA1] if density > 0.0 else 1.0
+        arguments[k] = density * table[numbers[i], EMT_INV12GAMMA1] if density > 0.0 else 1.0
 
 
 @numba.njit(cache=True, error_model="numpy", fastmath={"contract"})
-def _emt_energy_exponents(table, beta, numbers, n_owned, values):  # pragma: no cover
+def _emt_energy_exponents(table, beta, numbers, nodes, values):  # pragma: no cover
     """Row 0 of ``values`` (logarithms) in, each node's ``ds`` and the exponents of its
     two exponentials out (rows 0, 1 and 2)."""
-    for i in range(n_owned):
-        z = numbers[i]
-        ds = -values[0, i] / (beta * table[z, EMT_ETA2])
-        values[0, i] = ds
-        values[1, i] = -table[z, EMT_LAMBDA] * ds
-        values[2, i] = -table[z, EMT_KAPPA] * ds
+    for k in range(len(nodes)):
+        z = numbers[nodes[k]]
+        ds = -values[0, k] / (beta * table[z, EMT_ETA2])
+        values[0, k] = ds
+        values[1, k] = -table[z, EMT_LAMBDA] * ds
+        values[2, k] = -table[z, EMT_KAPPA] * ds
 
 
 @numba.njit(cache=True, error_model="numpy", fastmath={"contract"})
 def _emt_energy_sums(
-    table, beta, numbers, sums, n_owned, values, out, dcohesive
+    table, beta, numbers, sums, nodes, values, out, dcohesive
 ):  # fmt: skip  # pragma: no cover - compiled
     """:func:`_emt_energies`' last loop: the energies and ``dE/dsigma1`` from ``values``."""
-    for i in range(n_owned):
+    for k in range(len(nodes)):
+        i = nodes[k]
         z = numbers[i]
         energy, error = compensated_step(0.5 * sums[1, i], 0.5 * sums[3, i], -table[z, EMT_E0])
         density = sums[0, i] + sums[2, i]
         if density > 0.0:
             e0, lmbda, kappa = table[z, EMT_E0], table[z, EMT_LAMBDA], table[z, EMT_KAPPA]
             scale = beta * table[z, EMT_ETA2]
-            ds = values[0, i]
-            lambda_term = values[1, i]
-            kappa_term = 6.0 * table[z, EMT_V0] * values[2, i]
+            ds = values[0, k]
+            lambda_term = values[1, k]
+            kappa_term = 6.0 * table[z, EMT_V0] * values[2, k]
             energy, error = compensated_step(energy, error, e0 * (1.0 + lmbda * ds) * lambda_term)
             energy, error = compensated_step(energy, error, kappa_term)
             dcohesive_dds = -e0 * lmbda * lmbda * ds * lambda_term - kappa * kappa_term
@@ -875,6 +1036,7 @@ def _emt_pair_forces(  # pragma: no cover - compiled
     reverse = 2 if terms.shape[1] == 3 else 0  # the reverse edge's density term
     vxx = vyy = vzz = vyz = vxz = vxy = 0.0  # the virial, when not per node
     taken = unsigned(taken)
+    capacity = unsigned(terms.shape[0])
     for e in range(first, last):
         i, j = _edge_ends(e, centre, neighbour)
         dx, dy, dz = _edge(e, positions, centre, neighbour, image, offsets)
@@ -885,6 +1047,7 @@ def _emt_pair_forces(  # pragma: no cover - compiled
         taken_edge = _taken(taken_edges, e)
         c = c if taken_edge else 0.0
         taken += unsigned(taken_edge)
+        taken = unsigned(0) if taken == capacity else taken  # a ring (:func:`_emt_sweep`)
         rows[i, 1] += c * dx
         rows[i, 2] += c * dy
         rows[i, 3] += c * dz
