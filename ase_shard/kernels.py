@@ -268,8 +268,9 @@ def emt_forces(
     held = [(first, last, images) for first, last, images in segments if images is not None]
     sweep = _emt_sweep(edges, centre, neighbour, split)
     columns = 3 if mixed else 2
-    held_terms = _kept(edges, "emt held terms", (max(sum(b - a for a, b, _ in held), 1), columns))
-    plain_terms = _kept(edges, "emt terms", (sweep.rows, columns))
+    # one row spare: a call of the second pass never takes them all from row 0
+    held_terms = _kept(edges, "emt held terms", (sum(b - a for a, b, _ in held) + 1, columns))
+    plain_terms = _kept(edges, "emt terms", (sweep.rows + 1, columns))
     taken_edges = np.zeros((len(centre) + 7) // 8, np.uint8)
     # pass 1 in batches of edges: their exponentials by numpy's SIMD ``exp`` (under a
     # nanosecond each, against 5.7 for the compiled loop's scalar ``exp``: three per
@@ -288,40 +289,58 @@ def emt_forces(
         )  # fmt: skip
         closest = min(closest, listed_closest)
         np.exp(exponents[:, :n_taken], out=exponents[:, :n_taken])
-        return _emt_densities(
-            table, acut, beta, numbers, centre, neighbour, n_owned, split, mixed, element,
-            n_taken, batch_edges, radii, exponents, taken, taken_edges, sums, terms,
-        )  # fmt: skip
+        # a ring's rows run out at most once a batch: the edges up to its last row, the
+        # rest from row 0 (no test of the row at every edge)
+        turn = min(n_taken, len(terms) - taken)
+        for first, last in ((0, turn), (turn, n_taken)):
+            if last > first:
+                taken = _emt_densities(
+                    table, acut, beta, numbers, centre, neighbour, n_owned, split, mixed,
+                    element, first, last, batch_edges, radii, exponents, taken, taken_edges,
+                    sums, terms,
+                )  # fmt: skip
+            taken = 0 if taken == len(terms) else taken
+        return taken
 
     def energies(nodes: np.ndarray) -> None:
         if len(nodes):
             _emt_energies(table, beta, numbers, sums, nodes, out, dcohesive[0])
 
     def second_pass(first: int, last: int, images, terms: np.ndarray, taken: int) -> int:
-        if last == first:
-            return taken
-        return _emt_pair_forces(
-            positions, centre, neighbour, images, offsets, n_owned, split, taken_edges, terms,
-            dcohesive[0], first, last, taken, rows, out,
-        )  # fmt: skip
+        # a ring's rows run out at most once a call: the edges up to the last row's
+        # first, the rest from row 0 (no test of the row at every edge)
+        turn = _ring_end(taken_edges, first, last, len(terms) - taken)
+        for start, stop in ((first, turn), (turn, last)):
+            if stop > start:
+                taken = _emt_pair_forces(
+                    positions, centre, neighbour, images, offsets, n_owned, split,
+                    taken_edges, terms, dcohesive[0], start, stop, taken, rows, out,
+                )  # fmt: skip
+            taken = 0 if taken == len(terms) else taken
+        return taken
 
-    # the held edges first: a node's density is complete once the plain edges reach
-    # its last, and its energy, its dcohesive and then its edges' forces follow
-    taken = 0
-    for first, last, images in held:
-        for start in range(first, last, EXP_BATCH):
-            taken = first_pass(start, min(start + EXP_BATCH, last), images, held_terms, taken)
-    energies(sweep.completed(-2, -1))
-    written = read = 0
+    # without a halo the held edges first: a node's density is complete once the plain
+    # edges reach its last, and its energy, its dcohesive and its edges' forces follow
+    # (with one, all wait for the exchange: the list's order)
+    taken = written = read = 0
     done = plain.start
     acted = -1  # the batch after which the energies and the second pass last went on
     n_batches = len(sweep.frontier)
-    for b, start in enumerate(range(plain.start, plain.stop, EXP_BATCH)):
-        written = first_pass(start, min(start + EXP_BATCH, plain.stop), None, plain_terms, written)
-        if (b + 1) % SWEEP_BATCHES == 0 or b == n_batches - 1:
-            energies(sweep.completed(acted, b))
-            read = second_pass(done, sweep.frontier[b], None, plain_terms, read)
-            done, acted = sweep.frontier[b], b
+    for first, last, images in [] if split else held:
+        for start in range(first, last, EXP_BATCH):
+            taken = first_pass(start, min(start + EXP_BATCH, last), images, held_terms, taken)
+    energies(sweep.completed(-2, -1))
+    for first, last, images in segments:
+        if images is not None:
+            for start in range(first, last, EXP_BATCH) if split else ():
+                taken = first_pass(start, min(start + EXP_BATCH, last), images, held_terms, taken)
+            continue
+        for b, start in enumerate(range(first, last, EXP_BATCH)):
+            written = first_pass(start, min(start + EXP_BATCH, last), None, plain_terms, written)
+            if (b + 1) % SWEEP_BATCHES == 0 or b == n_batches - 1:
+                energies(sweep.completed(acted, b))
+                read = second_pass(done, sweep.frontier[b], None, plain_terms, read)
+                done, acted = sweep.frontier[b], b
     if split:
         # a ghost's partial sums travel as one number each (not four): its owner adds
         # them to its own compensated sums
@@ -458,6 +477,35 @@ def _sweep_plan(  # pragma: no cover - compiled
         nodes[filled[slot]] = node
         filled[slot] += 1
     return frontier, nodes, offsets, max(rows, 1)
+
+
+def _ring_end(taken_edges: np.ndarray, first: int, last: int, rows: int) -> int:
+    """The edge after the ``rows``-th taken one of ``first:last`` (``last`` if fewer)."""
+    if rows > last - first:
+        return last
+    return _nth_taken_end(taken_edges, first, last, rows)
+
+
+@numba.njit(cache=True)
+def _nth_taken_end(taken_edges, first, last, rows):  # pragma: no cover - compiled
+    """:func:`_ring_end`: the bits counted a byte at a time where a byte lies whole."""
+    count = 0
+    e = first
+    while e < last:
+        if e & 7 == 0 and e + 8 <= last:
+            byte = taken_edges[e >> 3]
+            ones = 0
+            for k in range(8):
+                ones += (byte >> k) & 1
+            if count + ones < rows:
+                count += ones
+                e += 8
+                continue
+        count += _taken(taken_edges, e)
+        e += 1
+        if count == rows:
+            return e
+    return last
 
 
 def _kept(
@@ -870,13 +918,13 @@ def _exponents(r, beta, inverse_beta, eta2, s0, kappa):  # pragma: no cover - co
 
 @numba.njit(cache=True, error_model="numpy", fastmath={"contract"})
 def _emt_densities(  # pragma: no cover - compiled
-    table, acut, beta, numbers, centre, neighbour, n_owned, split, mixed, element, n_taken,
-    batch_edges, radii, exponentials, taken, taken_edges, sums, terms,
+    table, acut, beta, numbers, centre, neighbour, n_owned, split, mixed, element, first,
+    last, batch_edges, radii, exponentials, taken, taken_edges, sums, terms,
 ):
-    """Pass 1b, the ``n_taken`` edges :func:`_emt_exponents` took (``batch_edges``, in
-    order): densities and pair sums into ``sums`` (4, n); each edge's bit of
-    ``taken_edges`` set (:func:`_taken`, for pass 2), its terms into ``terms``
-    from row ``taken`` on; returns the next row.
+    """Pass 1b, the edges ``first:last`` of those :func:`_emt_exponents` took
+    (``batch_edges``, in order): densities and pair sums into ``sums`` (4, n); each
+    edge's bit of ``taken_edges`` set (:func:`_taken`, for pass 2), its terms into
+    ``terms`` from row ``taken`` on; returns the next row.
 
     ``exponentials`` holds :func:`_emt_exponents`'s rows, exponentiated. Rows 0
     and 1 of ``sums`` take the densities and pair sums, rows 2 and 3 their
@@ -889,12 +937,11 @@ def _emt_densities(  # pragma: no cover - compiled
     inverse_beta = 1.0 / beta
     eta2_0, kappa_0 = table[element, EMT_ETA2], table[element, EMT_KAPPA]
     halfv_0 = table[element, EMT_NEGHALFV0OVERGAMMA2]
-    if n_taken == 0:
+    if last == first:
         return taken
-    capacity = unsigned(terms.shape[0])
-    current = unsigned(centre[unsigned(batch_edges[0])])  # the centre summed in registers
+    current = unsigned(centre[unsigned(batch_edges[first])])  # the centre summed in registers
     density_sum = density_error = pair_sum = pair_error = 0.0
-    for k in range(n_taken):
+    for k in range(first, last):
         e = unsigned(batch_edges[k])
         i, j = _edge_ends(e, centre, neighbour)
         if i != current:
@@ -925,8 +972,7 @@ def _emt_densities(  # pragma: no cover - compiled
         density_sum, density_error = same_sign_step(density_sum, density_error, density * w)
         pair_sum, pair_error = same_sign_step(pair_sum, pair_error, pair * w)
         inverse_r = 1.0 / radii[k]
-        row = unsigned(taken + k)
-        row = row - capacity if row >= capacity else row  # a ring (:func:`_emt_sweep`)
+        row = unsigned(taken + k - first)
         terms[row, 0] = density * (dw - eta2_j * w) * inverse_r
         terms[row, 1] = 0.5 * (pair * dw - dpair) * inverse_r
         if _ends(i, j, unsigned(n_owned), split) == 2:
@@ -937,8 +983,7 @@ def _emt_densities(  # pragma: no cover - compiled
             if mixed:
                 terms[row, 2] = density * (dw - table[zi, EMT_ETA2] * w) * inverse_r
     _flush_centre(sums, current, density_sum, density_error, pair_sum, pair_error)
-    taken += n_taken
-    return taken - capacity if taken >= capacity else taken
+    return taken + last - first
 
 
 def _emt_energies(
@@ -1036,7 +1081,6 @@ def _emt_pair_forces(  # pragma: no cover - compiled
     reverse = 2 if terms.shape[1] == 3 else 0  # the reverse edge's density term
     vxx = vyy = vzz = vyz = vxz = vxy = 0.0  # the virial, when not per node
     taken = unsigned(taken)
-    capacity = unsigned(terms.shape[0])
     for e in range(first, last):
         i, j = _edge_ends(e, centre, neighbour)
         dx, dy, dz = _edge(e, positions, centre, neighbour, image, offsets)
@@ -1047,7 +1091,6 @@ def _emt_pair_forces(  # pragma: no cover - compiled
         taken_edge = _taken(taken_edges, e)
         c = c if taken_edge else 0.0
         taken += unsigned(taken_edge)
-        taken = unsigned(0) if taken == capacity else taken  # a ring (:func:`_emt_sweep`)
         rows[i, 1] += c * dx
         rows[i, 2] += c * dy
         rows[i, 3] += c * dz
