@@ -250,7 +250,7 @@ def emt_forces(
     # energy's main noise
     sums = np.zeros((4, len(numbers)))
     dcohesive = np.zeros((1, len(numbers)))
-    rows = _node_rows(len(numbers), edges.per_node_virials)  # (no energies: zero)
+    rows = None  # the second pass's node sums, zeroed just before it first adds to them
     # one element: a pair's density terms seen from its two ends are the same number,
     # and the kernels keep that ``element``'s parameters in registers
     mixed = len(numbers) > 0 and numbers.min() != numbers.max()
@@ -296,8 +296,8 @@ def emt_forces(
             if last > first:
                 taken = _emt_densities(
                     table, acut, beta, numbers, centre, neighbour, n_owned, split, mixed,
-                    element, first, last, batch_edges, radii, exponents, taken, taken_edges,
-                    sums, terms,
+                    element, last - first, batch_edges[first:], radii[first:],
+                    exponents[:, first:], taken, taken_edges, sums, terms,
                 )  # fmt: skip
             taken = 0 if taken == len(terms) else taken
         return taken
@@ -307,6 +307,11 @@ def emt_forces(
             _emt_energies(table, beta, numbers, sums, nodes, out, dcohesive[0])
 
     def second_pass(first: int, last: int, images, terms: np.ndarray, taken: int) -> int:
+        nonlocal rows
+        if last > first and rows is None:
+            # not sooner: zeroed before the first pass, they left the cache (two ranks:
+            # a step 4 % longer)
+            rows = _node_rows(len(numbers), edges.per_node_virials)  # (no energies: zero)
         # a ring's rows run out at most once a call: the edges up to the last row's
         # first, the rest from row 0 (no test of the row at every edge)
         turn = _ring_end(taken_edges, first, last, len(terms) - taken)
@@ -347,6 +352,7 @@ def emt_forces(
         sums[:2, n_owned:] += sums[2:, n_owned:]
         halo.sum_ghost_columns(sums[:2])
     energies(sweep.completed(n_batches - 1, n_batches))
+    sums = None  # spent: not held through the rest of the second pass
     if split:
         halo.copy_owner_columns(dcohesive)
     # the rest in the list's order
@@ -356,7 +362,8 @@ def emt_forces(
             second_pass(done, last, None, plain_terms, read)
         else:
             taken = second_pass(first, last, images, held_terms, taken)
-    _add_node_sums(out, rows)  # no energies here: their row is zero
+    if rows is not None:
+        _add_node_sums(out, rows)  # no energies here: their row is zero
     return closest
 
 
@@ -918,13 +925,13 @@ def _exponents(r, beta, inverse_beta, eta2, s0, kappa):  # pragma: no cover - co
 
 @numba.njit(cache=True, error_model="numpy", fastmath={"contract"})
 def _emt_densities(  # pragma: no cover - compiled
-    table, acut, beta, numbers, centre, neighbour, n_owned, split, mixed, element, first,
-    last, batch_edges, radii, exponentials, taken, taken_edges, sums, terms,
+    table, acut, beta, numbers, centre, neighbour, n_owned, split, mixed, element, n_taken,
+    batch_edges, radii, exponentials, taken, taken_edges, sums, terms,
 ):
-    """Pass 1b, the edges ``first:last`` of those :func:`_emt_exponents` took
-    (``batch_edges``, in order): densities and pair sums into ``sums`` (4, n); each
-    edge's bit of ``taken_edges`` set (:func:`_taken`, for pass 2), its terms into
-    ``terms`` from row ``taken`` on; returns the next row.
+    """Pass 1b, the ``n_taken`` edges :func:`_emt_exponents` took (``batch_edges``, in
+    order): densities and pair sums into ``sums`` (4, n); each edge's bit of
+    ``taken_edges`` set (:func:`_taken`, for pass 2), its terms into ``terms``
+    from row ``taken`` on; returns the next row.
 
     ``exponentials`` holds :func:`_emt_exponents`'s rows, exponentiated. Rows 0
     and 1 of ``sums`` take the densities and pair sums, rows 2 and 3 their
@@ -937,11 +944,11 @@ def _emt_densities(  # pragma: no cover - compiled
     inverse_beta = 1.0 / beta
     eta2_0, kappa_0 = table[element, EMT_ETA2], table[element, EMT_KAPPA]
     halfv_0 = table[element, EMT_NEGHALFV0OVERGAMMA2]
-    if last == first:
+    if n_taken == 0:
         return taken
-    current = unsigned(centre[unsigned(batch_edges[first])])  # the centre summed in registers
+    current = unsigned(centre[unsigned(batch_edges[0])])  # the centre summed in registers
     density_sum = density_error = pair_sum = pair_error = 0.0
-    for k in range(first, last):
+    for k in range(n_taken):
         e = unsigned(batch_edges[k])
         i, j = _edge_ends(e, centre, neighbour)
         if i != current:
@@ -972,7 +979,7 @@ def _emt_densities(  # pragma: no cover - compiled
         density_sum, density_error = same_sign_step(density_sum, density_error, density * w)
         pair_sum, pair_error = same_sign_step(pair_sum, pair_error, pair * w)
         inverse_r = 1.0 / radii[k]
-        row = unsigned(taken + k - first)
+        row = unsigned(taken + k)
         terms[row, 0] = density * (dw - eta2_j * w) * inverse_r
         terms[row, 1] = 0.5 * (pair * dw - dpair) * inverse_r
         if _ends(i, j, unsigned(n_owned), split) == 2:
@@ -983,7 +990,7 @@ def _emt_densities(  # pragma: no cover - compiled
             if mixed:
                 terms[row, 2] = density * (dw - table[zi, EMT_ETA2] * w) * inverse_r
     _flush_centre(sums, current, density_sum, density_error, pair_sum, pair_error)
-    return taken + last - first
+    return taken + n_taken
 
 
 def _emt_energies(
