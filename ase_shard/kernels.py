@@ -265,11 +265,10 @@ def emt_forces(
     # only from the first pass to the second (:func:`_emt_sweep`), the others' until
     # the end
     plain = edges.plain
-    held = [(first, last, images) for first, last, images in segments if images is not None]
     sweep = _emt_sweep(edges, centre, neighbour, split)
     columns = 3 if mixed else 2
     # one row spare: a call of the second pass never takes them all from row 0
-    held_terms = _kept(edges, "emt held terms", (sum(b - a for a, b, _ in held) + 1, columns))
+    held_terms = _kept(edges, "emt held terms", (len(centre) - len(plain) + 1, columns))
     plain_terms = _kept(edges, "emt terms", (sweep.rows + 1, columns))
     taken_edges = np.zeros((len(centre) + 7) // 8, np.uint8)
     # pass 1 in batches of edges: their exponentials by numpy's SIMD ``exp`` (under a
@@ -324,22 +323,21 @@ def emt_forces(
             taken = 0 if taken == len(terms) else taken
         return taken
 
+    taken = written = read = 0
+    done = plain.start
+    acted = -2  # the batch by which the nodes complete have their energies (-2: none)
+    n_batches = len(sweep.frontier)
     # without a halo the held edges first: a node's density is complete once the plain
     # edges reach its last, and its energy, its dcohesive and its edges' forces follow
     # (with one, all wait for the exchange: the list's order)
-    taken = written = read = 0
-    done = plain.start
-    acted = -1  # the batch after which the energies and the second pass last went on
-    n_batches = len(sweep.frontier)
-    for first, last, images in [] if split else held:
-        for start in range(first, last, EXP_BATCH):
-            taken = first_pass(start, min(start + EXP_BATCH, last), images, held_terms, taken)
-    energies(sweep.completed(-2, -1))
-    for first, last, images in segments:
+    held_first = sorted(segments, key=lambda segment: segment[2] is None)  # (stable)
+    for first, last, images in segments if split else held_first:
         if images is not None:
-            for start in range(first, last, EXP_BATCH) if split else ():
+            for start in range(first, last, EXP_BATCH):
                 taken = first_pass(start, min(start + EXP_BATCH, last), images, held_terms, taken)
             continue
+        energies(sweep.completed(acted, -1))  # the nodes without plain edges
+        acted = -1
         for b, start in enumerate(range(first, last, EXP_BATCH)):
             written = first_pass(start, min(start + EXP_BATCH, last), None, plain_terms, written)
             if (b + 1) % SWEEP_BATCHES == 0 or b == n_batches - 1:
@@ -351,7 +349,7 @@ def emt_forces(
         # them to its own compensated sums
         sums[:2, n_owned:] += sums[2:, n_owned:]
         halo.sum_ghost_columns(sums[:2])
-    energies(sweep.completed(n_batches - 1, n_batches))
+    energies(sweep.completed(acted, n_batches))
     sums = None  # spent: not held through the rest of the second pass
     if split:
         halo.copy_owner_columns(dcohesive)
