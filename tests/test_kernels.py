@@ -86,7 +86,8 @@ def test_emt_second_pass_follows_the_first(
     assert max(relative_errors(got, ase_results(AseEMT(), atoms)).values()) <= RTOL_ASE
     errors = relative_errors(got, _results(Autograd(EMT()), atoms))
     assert max(errors.values()) <= RTOL_AUTOGRAD, errors
-    # three ranks' blocks (a halo: every term held to the end), with autograd's
+    # three ranks' blocks built in this process, with autograd's: without a halo, each
+    # takes its own end of an edge to a ghost (the halo's path runs under mpirun)
     kernel, _ = split_reuse_step(EMT(), atoms, 3)
     autograd, _ = split_reuse_step(Autograd(EMT()), atoms, 3)
     assert rel_err(kernel, autograd) <= RTOL_AUTOGRAD
